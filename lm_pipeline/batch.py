@@ -1,0 +1,124 @@
+"""What the trainer consumes: packed sequences, and batches that are a pure function of the step.
+
+A :class:`SequenceDataset` is any indexable collection of packed training sequences (the token
+cache's packed layout, or an in-memory array in tests). :class:`StepBatchSource` turns one into
+batches: the batch for step ``k`` depends only on (dataset, seed, k), so a resumed run sees the
+same batches as an uninterrupted one and no loader state is saved in checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+
+class LmBatch(NamedTuple):
+    """A batch of packed sequences.
+
+    tokens: int32 [B, T] token ids.
+    segment_ids: int32 [B, T] or None. Positions with equal ids belong to the same document and
+        attend only to each other; 0 marks padding (no loss, attends nowhere). None means plain
+        concatenate-and-chunk: causal attention over the whole row, as in Levanter.
+    """
+
+    tokens: np.ndarray
+    segment_ids: np.ndarray | None = None
+
+
+class SequenceDataset(Protocol):
+    """Indexable packed sequences of a fixed length."""
+
+    seq_len: int
+
+    def __len__(self) -> int: ...
+
+    def get_many(self, indices: Sequence[int]) -> LmBatch:
+        """Rows ``indices`` stacked in that order."""
+        ...
+
+
+class ArrayDataset:
+    """A :class:`SequenceDataset` over a flat token array, chunked into ``seq_len`` rows."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        tokens = np.asarray(tokens, dtype=np.int32)
+        n = len(tokens) // seq_len
+        if n == 0:
+            raise ValueError(f"need at least seq_len={seq_len} tokens, got {len(tokens)}")
+        self.rows = tokens[: n * seq_len].reshape(n, seq_len)
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def get_many(self, indices: Sequence[int]) -> LmBatch:
+        return LmBatch(self.rows[np.asarray(indices, dtype=np.int64)])
+
+
+def epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
+    """The row order of one epoch: a seeded permutation, different each epoch."""
+    rng = np.random.Generator(np.random.PCG64([seed, epoch, 0x5EED]))
+    return rng.permutation(num_rows)
+
+
+class StepBatchSource:
+    """Batches indexed by step: ``batch(k)`` is a pure function of (dataset, seed, k).
+
+    Rows are visited in a seeded permutation per epoch; an epoch boundary inside a batch
+    continues with the next epoch's permutation. With ``process_count > 1`` each process gets
+    the contiguous slice ``[process_index * B/P, (process_index + 1) * B/P)`` of the global
+    batch, so together the processes see exactly the global batch.
+    """
+
+    def __init__(
+        self,
+        dataset: SequenceDataset,
+        batch_size: int,
+        seed: int,
+        *,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
+        if batch_size % process_count:
+            raise ValueError(f"batch_size {batch_size} is not divisible by process_count {process_count}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.process_index = process_index
+        self.process_count = process_count
+        self._perm_cache: dict[int, np.ndarray] = {}
+
+    @property
+    def seq_len(self) -> int:
+        return self.dataset.seq_len
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.batch_size // self.process_count
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        perm = self._perm_cache.get(epoch)
+        if perm is None:
+            perm = epoch_permutation(len(self.dataset), self.seed, epoch)
+            self._perm_cache = {epoch: perm}  # keep one epoch: memory stays O(rows)
+        return perm
+
+    def global_indices(self, step: int) -> np.ndarray:
+        """Dataset row ids of the whole global batch for ``step``."""
+        n = len(self.dataset)
+        start = step * self.batch_size
+        flat = np.arange(start, start + self.batch_size, dtype=np.int64)
+        epochs, offsets = np.divmod(flat, n)
+        out = np.empty_like(flat)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            out[sel] = self._perm(int(e))[offsets[sel]]
+        return out
+
+    def batch(self, step: int) -> LmBatch:
+        """This process's slice of the global batch for ``step``."""
+        idx = self.global_indices(step)
+        lo = self.process_index * self.local_batch_size
+        return self.dataset.get_many(idx[lo : lo + self.local_batch_size])
