@@ -8,6 +8,8 @@ same batches as an uninterrupted one and no loader state is saved in checkpoints
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
@@ -69,8 +71,11 @@ class StepBatchSource:
     Rows are visited in a seeded permutation per epoch; an epoch boundary inside a batch
     continues with the next epoch's permutation. With ``process_count > 1`` each process gets
     the contiguous slice ``[process_index * B/P, (process_index + 1) * B/P)`` of the global
-    batch, so together the processes see exactly the global batch.
+    batch, so together the processes see exactly the global batch; each process reads only its
+    own rows. Safe to call from several threads (e.g. a prefetcher's).
     """
+
+    _PERMS_KEPT = 2  # an epoch boundary needs two permutations at once
 
     def __init__(
         self,
@@ -81,14 +86,21 @@ class StepBatchSource:
         process_index: int = 0,
         process_count: int = 1,
     ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index {process_index} is not in [0, process_count={process_count})")
         if batch_size % process_count:
             raise ValueError(f"batch_size {batch_size} is not divisible by process_count {process_count}")
+        if len(dataset) == 0:
+            raise ValueError("the dataset has no rows (is seq_len longer than the data?)")
         self.dataset = dataset
         self.batch_size = batch_size
         self.seed = seed
         self.process_index = process_index
         self.process_count = process_count
-        self._perm_cache: dict[int, np.ndarray] = {}
+        self._perm_cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._perm_lock = threading.Lock()
 
     @property
     def seq_len(self) -> int:
@@ -99,14 +111,21 @@ class StepBatchSource:
         return self.batch_size // self.process_count
 
     def _perm(self, epoch: int) -> np.ndarray:
-        perm = self._perm_cache.get(epoch)
-        if perm is None:
-            perm = epoch_permutation(len(self.dataset), self.seed, epoch)
-            self._perm_cache = {epoch: perm}  # keep one epoch: memory stays O(rows)
-        return perm
+        with self._perm_lock:
+            perm = self._perm_cache.get(epoch)
+            if perm is None:
+                perm = epoch_permutation(len(self.dataset), self.seed, epoch)
+                self._perm_cache[epoch] = perm
+                while len(self._perm_cache) > self._PERMS_KEPT:  # memory stays O(rows)
+                    self._perm_cache.popitem(last=False)
+            else:
+                self._perm_cache.move_to_end(epoch)
+            return perm
 
     def global_indices(self, step: int) -> np.ndarray:
         """Dataset row ids of the whole global batch for ``step``."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
         n = len(self.dataset)
         start = step * self.batch_size
         flat = np.arange(start, start + self.batch_size, dtype=np.int64)
@@ -117,8 +136,11 @@ class StepBatchSource:
             out[sel] = self._perm(int(e))[offsets[sel]]
         return out
 
-    def batch(self, step: int) -> LmBatch:
-        """This process's slice of the global batch for ``step``."""
-        idx = self.global_indices(step)
+    def local_indices(self, step: int) -> np.ndarray:
+        """Dataset row ids of this process's slice of the global batch for ``step``."""
         lo = self.process_index * self.local_batch_size
-        return self.dataset.get_many(idx[lo : lo + self.local_batch_size])
+        return self.global_indices(step)[lo : lo + self.local_batch_size]
+
+    def batch(self, step: int) -> LmBatch:
+        """This process's slice of the global batch for ``step`` (reads only those rows)."""
+        return self.dataset.get_many(self.local_indices(step))

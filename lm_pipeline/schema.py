@@ -224,6 +224,12 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(path, f"expected a mapping, got {_describe(data)}")
+    normalize = getattr(cls, "normalize_raw", None)
+    if normalize is not None:  # a section may rewrite its raw mapping first (shorthands, aliases)
+        try:
+            data = normalize(dict(data))
+        except ConfigError as e:
+            raise e.prefixed(path) from None
     hints = _hints(cls)
     flds = {f.name: f for f in dataclasses.fields(cls) if f.init}
     alias_of = {a: f.name for f in flds.values() for a in f.metadata.get("aliases", ())}

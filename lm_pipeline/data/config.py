@@ -1,11 +1,27 @@
-"""Configuration of the data path: sources, validation policy, tokenizer, cache and packing."""
+"""Configuration of the data path: sources, validation policy, tokenizer, cache and packing.
+
+Training data comes from exactly one of: ``train_urls`` (files read through fsspec), ``hf_id`` (a
+Hugging Face dataset: hub id, ``save_to_disk`` directory, or a builder such as ``json`` with
+``hf_data_files``) or ``builtin`` (a corpus that needs no download). Validation data is the set
+named ``validation`` (from ``validation_urls``, ``hf_validation_split`` or the built-in corpus's
+held-out part) plus any named sets in ``validation: {name: [urls]}``.
+
+Levanter spellings are accepted: ``id`` / ``name`` / ``stream`` for the Hugging Face fields, and
+``tokenizer: gpt2`` (a string) for ``tokenizer: {kind: hf, name_or_path: gpt2}``.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from lm_pipeline.schema import ConfigError, field
+
+#: Name of the validation set fed by ``validation_urls`` / ``hf_validation_split`` / a builtin.
+DEFAULT_VALIDATION_SET = "validation"
+
+_SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
 @dataclass(frozen=True)
@@ -16,34 +32,72 @@ class TokenizerConfig:
     vocab_size: int = field(4096, help="BPE vocabulary size, special tokens included.")
     min_frequency: int = field(2, help="BPE: minimum pair frequency for a merge.")
     special_tokens: tuple[str, ...] = field(("<|endoftext|>",), help="BPE: special tokens; the first is EOS (and BOS/PAD).")
+    max_train_chars: int | None = field(None, help="BPE: train on at most this many characters, taken from the start of the training stream (null = all).")
     name_or_path: str | None = field(None, help="'hf': a hub name or a local directory holding tokenizer.json.")
+    revision: str | None = field(None, help="'hf': hub revision (branch, tag or commit) of `name_or_path`.")
+    eos_token: str | None = field(None, help="'hf': the EOS token to use, overriding (or supplying) the tokenizer's own.")
 
     def validate(self) -> None:
         if self.kind == "hf" and not self.name_or_path:
             raise ConfigError("name_or_path", "is required when kind is 'hf' (a hub name or a local directory)")
+        if self.kind == "bpe" and not self.special_tokens:
+            raise ConfigError("special_tokens", "needs at least one token (the first is EOS)")
+        if len(set(self.special_tokens)) != len(self.special_tokens):
+            raise ConfigError("special_tokens", "has duplicates")
         if self.kind == "bpe" and self.vocab_size < 256 + len(self.special_tokens):
             raise ConfigError("vocab_size", f"must be at least {256 + len(self.special_tokens)} for a byte-level BPE")
         if self.min_frequency < 1:
             raise ConfigError("min_frequency", "must be >= 1")
+        if self.max_train_chars is not None and self.max_train_chars < 1:
+            raise ConfigError("max_train_chars", "must be >= 1 (or null for no limit)")
 
 
 @dataclass(frozen=True)
 class DataConfig:
     """Where text comes from and how it becomes packed token sequences."""
 
-    train_urls: tuple[str, ...] = field((), help="Training shards: paths or fsspec URLs; brace expansion `{1..32}` and globs allowed.")
+    # --- files read through fsspec ---------------------------------------------------------
+    train_urls: tuple[str, ...] = field((), help="Training shards: paths or fsspec URLs; brace expansion `{1..32}`, globs and directories allowed.")
     validation_urls: tuple[str, ...] = field((), help="Validation shards, evaluated as the set named 'validation'.")
     validation: dict[str, tuple[str, ...]] = field(default_factory=dict, help="Named validation sets: {name: [urls]}, each evaluated and reported on its own.")
-    builtin: str | None = field(None, help="A built-in corpus that needs no download ('python_stdlib'); used when no urls are given.")
-    text_key: str = field("text", help="Key of the text field in JSON/JSONL/Parquet records.")
-    format: Literal["auto", "jsonl", "json", "text", "parquet"] = field("auto", help="Shard format; 'auto' picks it from the file extension.")
-    min_length: int = field(1, help="Records whose text has fewer characters than this are invalid.")
-    on_invalid: Literal["fail", "skip"] = field("fail", help="Validation policy: stop at the first invalid record, or skip it and count it.")
+    format: Literal["auto", "jsonl", "json", "text", "parquet"] = field("auto", help="Shard format; 'auto' picks it from the file extension (.jsonl/.ndjson, .json, .txt/.md, .parquet; then .gz/.zst).")
+    text_key: str = field("text", help="Key of the text field in JSON/JSONL/Parquet/Hugging Face records.")
+    json_records_key: str | None = field(None, help="JSON files holding an object: the key of its list of records (null = the object's only list, or the object itself as one record).")
+    text_unit: Literal["file", "paragraph", "line"] = field("file", help="Plain-text files: one document per file, per blank-line-separated paragraph, or per non-blank line.")
+    # --- Hugging Face datasets -------------------------------------------------------------
+    hf_id: str | None = field(None, help="Hugging Face dataset: a hub id, a local `save_to_disk` directory, or a builder name ('json', 'parquet', 'csv', 'text') with hf_data_files.", aliases=("id",))
+    hf_name: str | None = field(None, help="Hugging Face dataset configuration (subset) name.", aliases=("name",))
+    hf_split: str = field("train", help="Hugging Face split used for training.")
+    hf_validation_split: str | None = field(None, help="Hugging Face split evaluated as the set named 'validation' (e.g. 'validation' or 'test').")
+    hf_revision: str | None = field(None, help="Hub revision (branch, tag or commit sha) of hf_id; a commit sha pins the data.")
+    hf_data_files: tuple[str, ...] = field((), help="Data files for a builder hf_id ('json', 'parquet', ...).")
+    hf_streaming: bool = field(False, help="Stream the Hugging Face dataset instead of downloading and preparing it (one shard per underlying file).", aliases=("stream",))
+    hf_shard_rows: int = field(100_000, help="Non-streamed Hugging Face datasets: rows per shard.")
+    # --- built-in corpus -------------------------------------------------------------------
+    builtin: Literal["python_stdlib"] | None = field(None, help="A built-in corpus that needs no download ('python_stdlib': the source of the Python standard library); used instead of urls.")
+    builtin_max_bytes: int = field(4_000_000, help="Built-in corpus: cap on its total size in bytes of source text.")
+    builtin_validation_fraction: float = field(0.05, help="Built-in corpus: fraction of documents held out (by hashed path) as the 'validation' set.")
+    # --- validation policy -----------------------------------------------------------------
+    min_length: int = field(1, help="Records whose text has fewer characters than this (after stripping whitespace) are invalid.")
+    on_invalid: Literal["fail", "skip"] = field("fail", help="Validation policy: stop at the first invalid record, or skip it and count it per reason.")
+    # --- downstream ------------------------------------------------------------------------
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig, help="The tokenizer to train or load.")
     packing: Literal["concat", "greedy", "first_fit"] = field("concat", help="How documents become seq_len rows: concatenate-and-chunk, or whole documents packed greedily / first-fit with segment ids.")
     cache_dir: str | None = field(None, help="Where the token cache lives; default: under the store root.", semantic=False)
     num_workers: int = field(0, help="Tokenizer worker processes; 0 means all cores.", semantic=False)
     shard_group_size: int = field(8, help="Shards per cache-building group (the unit of resumption and fan-out).", semantic=False)
+
+    @classmethod
+    def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Levanter shorthand: ``tokenizer: gpt2`` means a Hugging Face tokenizer by name/path."""
+        tok = data.get("tokenizer")
+        if isinstance(tok, str):
+            data["tokenizer"] = {"kind": "hf", "name_or_path": tok}
+        return data
+
+    def train_sources(self) -> list[str]:
+        """Names of the fields that provide training data (at most one may be set)."""
+        return [n for n, on in (("train_urls", bool(self.train_urls)), ("hf_id", self.hf_id is not None), ("builtin", self.builtin is not None)) if on]
 
     def validate(self) -> None:
         if self.min_length < 0:
@@ -52,3 +106,31 @@ class DataConfig:
             raise ConfigError("num_workers", "must be >= 0 (0 = all cores)")
         if self.shard_group_size < 1:
             raise ConfigError("shard_group_size", "must be >= 1")
+        if not self.text_key:
+            raise ConfigError("text_key", "must not be empty")
+        sources = self.train_sources()
+        if len(sources) > 1:
+            raise ConfigError(sources[1], f"only one training source may be set, but {' and '.join(sources)} are; remove all but one")
+        default_val = [n for n, on in (("validation_urls", bool(self.validation_urls)), ("hf_validation_split", self.hf_validation_split is not None), ("builtin", self.builtin is not None)) if on]
+        if len(default_val) > 1:
+            raise ConfigError(default_val[0], f"the '{DEFAULT_VALIDATION_SET}' set can come from only one of {', '.join(default_val)}; "
+                              "put the others under `validation: {name: [urls]}`")
+        for name, urls in self.validation.items():
+            if not _SET_NAME.match(name):
+                raise ConfigError(f"validation.{name}", "set names must start with a letter or digit and use only letters, digits, '_', '.', '-'")
+            if name == "train":
+                raise ConfigError("validation.train", "'train' is reserved for the training split; pick another name")
+            if name == DEFAULT_VALIDATION_SET and default_val:
+                raise ConfigError(f"validation.{name}", f"'{name}' is already given by {default_val[0]}; pick another name")
+            if not urls:
+                raise ConfigError(f"validation.{name}", "needs at least one url")
+        if self.hf_validation_split is not None and self.hf_id is None:
+            raise ConfigError("hf_validation_split", "needs hf_id")
+        if self.hf_data_files and self.hf_id is None:
+            raise ConfigError("hf_data_files", "needs hf_id (a builder such as 'json' or 'parquet')")
+        if self.hf_shard_rows < 1:
+            raise ConfigError("hf_shard_rows", "must be >= 1")
+        if self.builtin_max_bytes < 10_000:
+            raise ConfigError("builtin_max_bytes", "must be >= 10000")
+        if not 0.0 < self.builtin_validation_fraction <= 0.5:
+            raise ConfigError("builtin_validation_fraction", "must be in (0, 0.5]")

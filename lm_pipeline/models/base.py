@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 
-from lm_pipeline.schema import Choice
+from lm_pipeline.schema import Choice, ConfigError
 
 
 class LmConfig(Choice):
@@ -62,3 +62,48 @@ class LmModel(eqx.Module):
         ``jax.sharding.PartitionSpec`` of *logical* axis names, one entry per array dimension
         (e.g. ``P("layers", "embed", "mlp")``). PartitionSpec is a pytree leaf."""
         raise NotImplementedError
+
+    # Incremental decoding (optional for a family; used by text generation).
+
+    def init_cache(self, batch: int, max_len: int | None = None, dtype: Any = None) -> Any:
+        """An empty key/value cache (a pytree of arrays) for ``batch`` rows of up to ``max_len``
+        tokens (default: the config's seq_len); ``dtype`` defaults to the parameters' dtype."""
+        raise NotImplementedError
+
+    def decode(self, tokens: jax.Array, cache: Any, position: jax.Array | int) -> tuple[jax.Array, Any]:
+        """tokens int32 [B, S] at positions ``position .. position + S - 1`` (the same for all rows)
+        -> (logits [B, S, vocab], updated cache). Attends to the cache up to each token's position
+        (plain causal, no segment ids, no dropout). Static shapes: jit-able with a traced
+        ``position``, for the prefill (S = prompt length) and single-token steps (S = 1)."""
+        raise NotImplementedError
+
+
+# Validation helpers for family members' ``validate()``.
+
+
+def require_positive(cfg: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value <= 0:
+            raise ConfigError(name, f"must be positive, got {value!r}")
+
+
+def require_probability(cfg: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(name, f"must be in [0, 1), got {value!r}")
+
+
+def require_activation(cfg: Any, name: str = "activation_function") -> None:
+    valid = ("gelu", "gelu_new", "relu", "silu")  # the keys of layers.ACTIVATIONS
+    if getattr(cfg, name) not in valid:
+        raise ConfigError(name, f"must be one of {', '.join(map(repr, valid))}, got {getattr(cfg, name)!r}")
+
+
+def require_divisible(name: str, value: int, by_name: str, by: int) -> None:
+    """Raise ``ConfigError(name, "must be divisible by <by_name> (<by>), got <value>; e.g. <lo> or <hi>")``."""
+    if by > 0 and value % by:
+        lo = value // by * by
+        options = " or ".join(str(v) for v in (lo, lo + by) if v > 0)
+        raise ConfigError(name, f"must be divisible by {by_name} ({by}), got {value}; e.g. {options}")

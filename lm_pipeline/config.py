@@ -1,0 +1,149 @@
+"""The root run configuration, YAML loading with ``!include``, and dotted command-line overrides.
+
+One YAML file describes a run, with Levanter's sections (``data``, ``model``, ``trainer``,
+``optimizer``) plus ``eval``, ``export`` and ``store``. Sub-files are pulled in with
+``key: !include other.yaml`` (relative to the including file). Overrides such as
+``--model.num_heads 20 --trainer.checkpointer.save_interval 20m`` are parsed as YAML values
+and applied before validation, so a bad value fails before any compute starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lm_pipeline.data.config import DataConfig
+from lm_pipeline.models import Gpt2Config, LmConfig
+from lm_pipeline.schema import ConfigError, field, from_dict, to_dict
+from lm_pipeline.train.config import TrainerConfig
+from lm_pipeline.train.optim import OptimizerConfig
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where content-addressed artifacts live."""
+
+    root: str = field("artifacts", help="Root of the artifact store: a local folder or any fsspec URL.", semantic=False)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one training run (and the pipeline around it) needs."""
+
+    data: DataConfig = field(default_factory=DataConfig, help="Sources, validation, tokenizer, cache, packing.")
+    model: LmConfig = field(default_factory=Gpt2Config, help="The model family (`type: gpt2 | llama`) and its shape.")
+    trainer: TrainerConfig = field(default_factory=TrainerConfig, help="The training loop.")
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, help="AdamW and the learning-rate schedule.")
+    store: StoreConfig = field(default_factory=StoreConfig, help="The artifact store.", semantic=False)
+
+
+# --- YAML with !include ---------------------------------------------------------------------
+
+
+class _IncludeLoader(yaml.SafeLoader):
+    pass
+
+
+def _include(loader: _IncludeLoader, node: yaml.Node) -> Any:
+    if not isinstance(node, yaml.ScalarNode):
+        raise ConfigError("", f"{loader.name}: !include takes a file path, e.g. `data: !include data.yaml`")
+    rel = loader.construct_scalar(node)
+    base = Path(loader.name).parent
+    return _load_yaml(base / rel, loader._stack)  # type: ignore[attr-defined]
+
+
+_IncludeLoader.add_constructor("!include", _include)
+
+
+def _load_yaml(path: str | os.PathLike, stack: tuple[Path, ...] = ()) -> Any:
+    path = Path(path)
+    resolved = path.resolve()
+    if resolved in stack:
+        chain = " -> ".join(str(p) for p in (*stack, resolved))
+        raise ConfigError("", f"include cycle: {chain}")
+    if not path.is_file():
+        where = f" (included from {stack[-1]})" if stack else ""
+        raise ConfigError("", f"config file not found: {path}{where}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("", f"cannot read {path}: {e}") from None
+    loader = _IncludeLoader(text)
+    loader.name = str(path)
+    loader._stack = (*stack, resolved)  # type: ignore[attr-defined]
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as e:
+        raise ConfigError("", f"{path}: invalid YAML: {e}") from None
+    finally:
+        loader.dispose()
+
+
+# --- overrides ------------------------------------------------------------------------------
+
+
+def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
+    """``['--a.b', '3', '--c=x']`` -> ``[('a.b', 3), ('c', 'x')]``; values are parsed as YAML."""
+    out: list[tuple[str, Any]] = []
+    i = 0
+    args = list(args)
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError("", f"unexpected argument {arg!r}; overrides look like --section.field VALUE")
+        key = arg[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(key, "override has no value; write --" + key + " VALUE")
+            raw = args[i + 1]
+            i += 1
+        i += 1
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key.replace(",", "."), value))  # tolerate the guide's `--trainer.wandb,group` typo
+    return out
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    for key, value in overrides:
+        parts = key.split(".")
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(".".join(parts[: i + 1]), f"is not a section; cannot set {key}")
+            node = nxt
+        node[parts[-1]] = value
+    return raw
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] | dict[str, Any] = ()) -> RunConfig:
+    """Load a run config from YAML (or the defaults when ``path`` is None) plus overrides.
+
+    ``overrides`` is either command-line style (``["--model.num_heads", "20"]``) or a mapping
+    of dotted keys to values (``{"model.num_heads": 20}``).
+    """
+    raw = _load_yaml(path) if path is not None else {}
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"{path}: the top level must be a mapping of sections (data, model, trainer, ...)")
+    pairs = list(overrides.items()) if isinstance(overrides, dict) else parse_overrides(overrides)
+    raw = apply_overrides(raw, pairs)
+    return from_dict(RunConfig, raw)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The full resolved config as YAML (loadable with :func:`load_config`)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

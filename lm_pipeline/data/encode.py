@@ -1,0 +1,239 @@
+"""Document tokenization for the token cache: special-token detection and shard encoding.
+
+Kept free of TensorStore so that cache-building worker processes start quickly: a worker only
+imports this module, numpy and ``tokenizers``.
+
+Conventions (recorded in the cache ledger, see :func:`TokenizerInfo.settings`):
+
+* Documents are encoded with ``add_special_tokens=True``, so whatever the tokenizer's
+  post-processor adds (a BOS, say) is kept; nothing is assumed. What it adds is detected once by
+  encoding a probe text with and without special tokens.
+* EOS is appended to every document, unless the post-processor already ends every encoding with
+  EOS (then it is not doubled).
+* Special-token strings occurring *inside* a document's text (e.g. a literal ``<|endoftext|>``)
+  are encoded as plain text (``encode_special_tokens = True``), so the only EOS in a document is
+  its terminator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+TOKEN_DTYPE = np.uint32
+_PROBE = "lm_pipeline probe: hello world 123"
+# Documents per encode_batch call; a batch also closes once it holds this many characters.
+_BATCH_DOCS = 512
+_BATCH_CHARS = 1 << 21
+
+
+class Shard(Protocol):
+    """What the cache builder consumes: a picklable, named, fingerprinted stream of texts."""
+
+    name: str
+    fingerprint: str
+
+    def iter_texts(self) -> Iterator[str]: ...
+
+
+class EncodedShard(NamedTuple):
+    """One shard, tokenized: concatenated ids, per-document token counts and UTF-8 byte counts."""
+
+    tokens: np.ndarray  # uint32 [num_tokens]
+    doc_lengths: np.ndarray  # int64 [num_docs]
+    doc_bytes: np.ndarray  # int64 [num_docs]
+
+
+def _read_bytes(path: str) -> bytes:
+    if "://" in path and not path.startswith("file://"):
+        import fsspec
+
+        with fsspec.open(path, "rb") as f:
+            return f.read()
+    if path.startswith("file://"):
+        path = path[len("file://") :]
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _join(base: str, name: str) -> str:
+    return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
+
+
+def _token_string(value: Any) -> str | None:
+    """``tokenizer_config.json`` stores special tokens as strings or AddedToken dicts."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return value.get("content")
+    return str(value)
+
+
+def _find(haystack: list[int], needle: list[int]) -> int:
+    for i in range(len(haystack) - len(needle) + 1):
+        if haystack[i : i + len(needle)] == needle:
+            return i
+    return -1
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the cache needs to know about a tokenizer directory."""
+
+    path: str
+    fingerprint: str  # sha256 of tokenizer.json
+    vocab_size: int
+    eos_token: str
+    eos_id: int
+    bos_token: str | None
+    prefix_ids: tuple[int, ...]  # ids the post-processor puts before every encoding (e.g. BOS)
+    suffix_ids: tuple[int, ...]  # ids it puts after
+    append_eos: bool  # False when the post-processor already ends encodings with EOS
+
+    def settings(self) -> dict[str, Any]:
+        """The tokenization settings that change the cache's bytes (stored in the ledger)."""
+        return {
+            "token_dtype": np.dtype(TOKEN_DTYPE).name,
+            "eos_token": self.eos_token,
+            "eos_id": self.eos_id,
+            "bos_token": self.bos_token,
+            "prefix_ids": list(self.prefix_ids),
+            "suffix_ids": list(self.suffix_ids),
+            "append_eos": self.append_eos,
+            "add_special_tokens": True,
+            "special_tokens_in_text": "literal",
+            "vocab_size": self.vocab_size,
+        }
+
+
+def tokenizer_fingerprint(tokenizer_dir: str) -> str:
+    """sha256 (hex) of the directory's ``tokenizer.json``."""
+    return hashlib.sha256(_read_bytes(_join(str(tokenizer_dir), "tokenizer.json"))).hexdigest()
+
+
+def load_tokenizer(tokenizer_dir: str):
+    """The ``tokenizers.Tokenizer`` of a directory, set up for document encoding."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(_read_bytes(_join(str(tokenizer_dir), "tokenizer.json")).decode("utf-8"))
+    tok.encode_special_tokens = True  # special-token strings inside documents stay plain text
+    tok.no_padding()
+    tok.no_truncation()
+    return tok
+
+
+def tokenizer_info(tokenizer_dir: str, tok=None) -> TokenizerInfo:
+    """Inspect a tokenizer directory: fingerprint, EOS, and what the post-processor adds."""
+    tokenizer_dir = os.fspath(tokenizer_dir)
+    raw = _read_bytes(_join(tokenizer_dir, "tokenizer.json"))
+    fingerprint = hashlib.sha256(raw).hexdigest()
+    tok = tok or load_tokenizer(tokenizer_dir)
+    try:
+        cfg = json.loads(_read_bytes(_join(tokenizer_dir, "tokenizer_config.json")))
+    except FileNotFoundError:
+        cfg = {}
+    eos_token = _token_string(cfg.get("eos_token"))
+    if not eos_token:
+        raise ValueError(
+            f"{tokenizer_dir}: tokenizer_config.json names no eos_token; the cache appends EOS to every document"
+        )
+    eos_id = tok.token_to_id(eos_token)
+    if eos_id is None:
+        raise ValueError(f"{tokenizer_dir}: eos_token {eos_token!r} is not in the vocabulary")
+    bos_token = _token_string(cfg.get("bos_token"))
+    with_sp = tok.encode(_PROBE, add_special_tokens=True).ids
+    without = tok.encode(_PROBE, add_special_tokens=False).ids
+    at = _find(with_sp, without)
+    if at < 0:
+        raise ValueError(
+            f"{tokenizer_dir}: cannot tell which special tokens the tokenizer adds "
+            "(the encoding with special tokens does not contain the one without)"
+        )
+    prefix, suffix = with_sp[:at], with_sp[at + len(without) :]
+    return TokenizerInfo(
+        path=tokenizer_dir,
+        fingerprint=fingerprint,
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        eos_token=eos_token,
+        eos_id=int(eos_id),
+        bos_token=bos_token,
+        prefix_ids=tuple(int(i) for i in prefix),
+        suffix_ids=tuple(int(i) for i in suffix),
+        append_eos=not (suffix and suffix[-1] == eos_id),
+    )
+
+
+class DocumentEncoder:
+    """Encodes documents the cache's way (see the module docstring)."""
+
+    def __init__(self, tokenizer_dir: str, info: TokenizerInfo | None = None):
+        self.tok = load_tokenizer(tokenizer_dir)
+        self.info = info or tokenizer_info(tokenizer_dir, self.tok)
+        fast = getattr(self.tok, "encode_batch_fast", None)  # skips offsets; tokenizers >= 0.21
+        self._encode_batch = fast if fast is not None else self.tok.encode_batch
+
+    def encode_texts(self, texts: list[str]) -> EncodedShard:
+        """Encode one batch of documents."""
+        if not texts:
+            return EncodedShard(np.zeros(0, TOKEN_DTYPE), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        ids = [e.ids for e in self._encode_batch(texts, add_special_tokens=True)]
+        lens = np.fromiter(map(len, ids), np.int64, len(ids))
+        flat = np.fromiter(chain.from_iterable(ids), TOKEN_DTYPE, int(lens.sum()))
+        if self.info.append_eos:
+            flat = np.insert(flat, np.cumsum(lens), TOKEN_DTYPE(self.info.eos_id))
+            lens = lens + 1
+        nbytes = np.fromiter(
+            (len(t) if t.isascii() else len(t.encode("utf-8")) for t in texts), np.int64, len(texts)
+        )
+        return EncodedShard(flat, lens, nbytes)
+
+    def encode_stream(self, texts: Iterable[str]) -> EncodedShard:
+        """Encode a stream of documents in batches; the result is independent of the batching."""
+        parts: list[EncodedShard] = []
+        batch: list[str] = []
+        chars = 0
+        for text in texts:
+            if not isinstance(text, str):
+                raise TypeError(f"documents must be str, got {type(text).__name__}")
+            batch.append(text)
+            chars += len(text)
+            if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
+                parts.append(self.encode_texts(batch))
+                batch, chars = [], 0
+        if batch or not parts:
+            parts.append(self.encode_texts(batch))
+        if len(parts) == 1:
+            return parts[0]
+        return EncodedShard(*(np.concatenate(p) for p in zip(*parts, strict=True)))
+
+    def encode_shard(self, shard: Shard) -> EncodedShard:
+        try:
+            return self.encode_stream(shard.iter_texts())
+        except Exception as e:
+            raise RuntimeError(f"tokenizing shard {shard.name!r} failed: {e}") from e
+
+
+# --- worker-process side ---------------------------------------------------------------------
+
+_WORKER: DocumentEncoder | None = None
+
+
+def worker_init(tokenizer_dir: str, info: TokenizerInfo) -> None:
+    """Process-pool initializer: one single-threaded tokenizer per worker process."""
+    global _WORKER
+    # The workers are the parallelism; the tokenizer's own thread pool would oversubscribe cores.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    _WORKER = DocumentEncoder(tokenizer_dir, info)
+
+
+def worker_encode(shard: Shard) -> EncodedShard:
+    assert _WORKER is not None, "worker_init was not run"
+    return _WORKER.encode_shard(shard)

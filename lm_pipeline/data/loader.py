@@ -1,0 +1,285 @@
+"""The training data loader: cache-backed datasets, step-indexed batches, background prefetch.
+
+* :class:`CacheDataset` is a :class:`~lm_pipeline.batch.SequenceDataset` over a token cache and
+  one packing layout. ``get_many(rows)`` turns the rows into token positions with the layout and
+  reads them as contiguous runs (adjacent pieces merged; one run per row for ``concat`` and
+  ``greedy``) issued together in one ``tensorstore.Batch`` (only the 16 KiB inner chunks touched
+  are fetched), then fills ``[B, seq_len]``.
+* :class:`~lm_pipeline.batch.StepBatchSource` makes the batch for step ``k`` a pure function of
+  (cache, layout, seed, k): a seeded permutation of the rows per epoch, reshuffled every epoch.
+  Resuming at step ``k`` needs no loader state.
+* Multi-host: every process builds the same source with its own ``process_index`` /
+  ``process_count`` (defaults: ``jax.process_index()`` / ``jax.process_count()``, see
+  :func:`make_batch_source`); all compute the same global row ids for a step, and each reads only
+  its contiguous slice ``[i * B/P, (i + 1) * B/P)``. Together the processes see exactly the
+  global batch. With a ``sharding``, :class:`Prefetcher` assembles the global ``jax.Array`` with
+  ``jax.make_array_from_process_local_data``, each host contributing its slice.
+* :class:`Prefetcher` loads upcoming steps on a background thread (``depth`` steps ahead) and
+  yields ``(step, batch)`` in order from any start step; its :class:`PrefetchStats` record how
+  long the consumer (the training loop, i.e. the device) waited for data.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from lm_pipeline.batch import LmBatch, SequenceDataset, StepBatchSource
+from lm_pipeline.data.cache import TokenCache, open_cache
+from lm_pipeline.data.packing import PackedLayout, open_packing
+
+__all__ = [
+    "CacheDataset",
+    "PrefetchStats",
+    "Prefetcher",
+    "make_batch_source",
+    "open_dataset",
+]
+
+
+class CacheDataset:
+    """Packed ``seq_len`` rows of a token cache (a :class:`SequenceDataset`).
+
+    Args:
+        cache: an open :class:`TokenCache` (complete), or its location.
+        seq_len: row length.
+        packing: ``concat``, ``greedy`` or ``first_fit`` (see :mod:`lm_pipeline.data.packing`);
+            the layout is loaded from beside the cache, or derived and stored there.
+        pad_id: token id of padding positions (greedy/first_fit); default: the cache's EOS.
+    """
+
+    def __init__(
+        self,
+        cache: TokenCache | str | os.PathLike,
+        seq_len: int,
+        packing: str = "concat",
+        *,
+        layout: PackedLayout | None = None,
+        pad_id: int | None = None,
+    ):
+        if not isinstance(cache, TokenCache):
+            cache = open_cache(cache)
+        self.cache = cache
+        self.seq_len = int(seq_len)
+        self.packing = packing
+        self.layout = layout if layout is not None else open_packing(cache, self.seq_len, packing)
+        if (self.layout.strategy, self.layout.seq_len) != (packing, self.seq_len):
+            raise ValueError(f"layout is {self.layout.strategy}-{self.layout.seq_len}, not {packing}-{seq_len}")
+        self.pad_id = cache.eos_id if pad_id is None else int(pad_id)
+        self._tokens = cache.tokens
+
+    def __len__(self) -> int:
+        return self.layout.num_rows
+
+    def __repr__(self) -> str:
+        return f"CacheDataset({self.cache.location!r}, seq_len={self.seq_len}, packing={self.packing!r}, rows={len(self)})"
+
+    @property
+    def num_bytes(self) -> int:
+        """UTF-8 bytes of the cache's text (for bits-per-byte)."""
+        return self.cache.num_bytes
+
+    @property
+    def bytes_per_token(self) -> float:
+        """The cache's text bytes per token (EOS and other added tokens included)."""
+        return self.cache.num_bytes / max(1, self.cache.num_tokens)
+
+    def read_runs(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Concatenation of ``tokens[s:s + n]`` for each run; all reads issued as one TensorStore batch."""
+        if len(starts) == 0:
+            return np.zeros(0, np.uint32)
+        tokens = self._tokens
+        with ts.Batch() as batch:
+            futures = [tokens[s : s + n].read(batch=batch) for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+        parts = [f.result() for f in futures]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def get_many(self, indices: Sequence[int]) -> LmBatch:
+        plan = self.layout.plan(np.asarray(indices, np.int64))
+        values = self.read_runs(plan.run_start, plan.run_len)
+        n, T = len(plan.row_len), self.seq_len
+        if plan.segment_ids is None:  # concat: full rows
+            return LmBatch(values.reshape(n, T).astype(np.int32), None)
+        tokens = np.full((n, T), self.pad_id, np.int32)
+        tokens[np.arange(T) < plan.row_len[:, None]] = values
+        return LmBatch(tokens, plan.segment_ids)
+
+
+def open_dataset(
+    cache_dir: str | os.PathLike,
+    seq_len: int,
+    packing: str = "concat",
+    *,
+    expected_tokenizer_fingerprint: str | None = None,
+    **open_kwargs: Any,
+) -> CacheDataset:
+    """Open a complete cache (checked as by :func:`open_cache`) and return its packed dataset."""
+    cache = open_cache(cache_dir, expected_tokenizer_fingerprint, **open_kwargs)
+    return CacheDataset(cache, seq_len, packing)
+
+
+def make_batch_source(
+    dataset: SequenceDataset,
+    batch_size: int,
+    seed: int,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> StepBatchSource:
+    """A :class:`StepBatchSource` for this process (defaults from ``jax.process_index/count``)."""
+    if process_index is None or process_count is None:
+        import jax
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    return StepBatchSource(dataset, batch_size, seed, process_index=process_index, process_count=process_count)
+
+
+@dataclass
+class PrefetchStats:
+    """Timings of a :class:`Prefetcher` (seconds).
+
+    ``waits``: per consumed step, how long ``next()`` blocked, i.e. how long the training loop
+    (and so the device, once its queued work ran out) waited for data. ``loads``: per produced
+    step, the time to build the batch on the background thread (reading + device transfer).
+    """
+
+    waits: list[float] = field(default_factory=list)
+    loads: list[float] = field(default_factory=list)
+
+    def summary(self, skip_first: int = 1) -> dict[str, float]:
+        """Mean/max wait (first ``skip_first`` steps excluded: the pipeline is filling), mean load."""
+        w = np.asarray(self.waits[skip_first:] or [0.0])
+        ld = np.asarray(self.loads or [0.0])
+        return {
+            "steps": len(self.waits),
+            "wait_mean_s": float(w.mean()),
+            "wait_max_s": float(w.max()),
+            "wait_total_s": float(np.sum(self.waits)),
+            "steps_waiting_over_1ms": int((w > 1e-3).sum()),
+            "load_mean_s": float(ld.mean()),
+        }
+
+
+class Prefetcher(Iterator[tuple[int, Any]]):
+    """Yields ``(step, batch)`` for ``start_step, start_step + 1, ...``, loaded ahead in the background.
+
+    Args:
+        source: anything with ``batch(step) -> LmBatch`` (a :class:`StepBatchSource`).
+        start_step: first step (a resumed run starts at its checkpoint's step; batches are the
+            same as in an uninterrupted run because ``batch(k)`` is a pure function of ``k``).
+        num_steps: how many steps to yield (None = unbounded).
+        depth: steps loaded ahead of the consumer.
+        threads: loader threads (1 = one background thread; more overlap several steps' reads).
+        sharding: if given, batches are placed on devices: ``jax.device_put`` in a single
+            process, ``jax.make_array_from_process_local_data`` in a multi-process run (each
+            host contributes its slice of the global batch). Arrays are ready when yielded.
+        put: alternatively, any function ``LmBatch -> T`` applied on the background thread.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        start_step: int = 0,
+        *,
+        num_steps: int | None = None,
+        depth: int = 2,
+        threads: int = 1,
+        sharding: Any = None,
+        put: Callable[[LmBatch], Any] | None = None,
+    ):
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        if sharding is not None and put is not None:
+            raise ValueError("give sharding or put, not both")
+        self.source = source
+        self.stats = PrefetchStats()
+        self._put = put if put is not None else (self._device_put if sharding is not None else None)
+        self._sharding = sharding
+        self._next = start_step
+        self._end = None if num_steps is None else start_step + num_steps
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="lm-prefetch")
+        self._pending: deque[Future] = deque()
+        self._lock = threading.Lock()
+        self._closed = False
+        for _ in range(depth):
+            self._submit()
+
+    def _device_put(self, batch: LmBatch) -> LmBatch:
+        import jax
+
+        sharding = self._sharding
+        multi = jax.process_count() > 1
+        global_rows = getattr(self.source, "batch_size", None)
+
+        def put(x: np.ndarray | None):
+            if x is None:
+                return None
+            x = np.asarray(x, np.int32)
+            if not multi:
+                return jax.device_put(x, sharding)
+            shape = (global_rows, *x.shape[1:]) if global_rows else None
+            return jax.make_array_from_process_local_data(sharding, x, shape)
+
+        out = LmBatch(put(batch.tokens), put(batch.segment_ids))
+        jax.block_until_ready([a for a in out if a is not None])
+        return out
+
+    def _load(self, step: int) -> tuple[int, Any]:
+        t0 = time.perf_counter()
+        batch = self.source.batch(step)
+        if self._put is not None:
+            batch = self._put(batch)
+        self.stats.loads.append(time.perf_counter() - t0)
+        return step, batch
+
+    def _submit(self) -> None:
+        if self._end is not None and self._next >= self._end:
+            return
+        self._pending.append(self._pool.submit(self._load, self._next))
+        self._next += 1
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        with self._lock:
+            if self._closed or not self._pending:
+                raise StopIteration
+            fut = self._pending.popleft()
+            t0 = time.perf_counter()
+            try:
+                item = fut.result()
+            except BaseException:
+                self.close()
+                raise
+            self.stats.waits.append(time.perf_counter() - t0)
+            self._submit()
+            return item
+
+    def close(self) -> None:
+        """Stop loading; pending loads are cancelled (a running one finishes in the background)."""
+        self._closed = True
+        for f in self._pending:
+            f.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close()

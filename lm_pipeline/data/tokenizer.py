@@ -1,0 +1,346 @@
+"""Tokenizers: train a deterministic byte-level BPE, or bring any Hugging Face tokenizer.
+
+Either way the output directory holds ``tokenizer.json`` (what :mod:`tokenizers` loads),
+``tokenizer_config.json`` and ``special_tokens_map.json``, such that
+``transformers.AutoTokenizer.from_pretrained(out_dir)`` loads a fast tokenizer
+(``PreTrainedTokenizerFast``) that encodes exactly like ``tokenizers.Tokenizer.from_file``,
+with ``eos_token`` set (and ``bos_token`` / ``pad_token`` where the source has them; a trained BPE
+uses its first special token for all three, as GPT-2 does).
+
+Determinism: :func:`train_bpe` over the same texts in the same order writes a byte-identical
+``tokenizer.json`` (the BPE trainer breaks count ties by the pair itself, and the file is written
+from one canonical serialisation). ``check_determinism=True`` trains twice and raises if the two
+results differ.
+
+Whether a tokenizer adds BOS (or EOS) itself is never assumed: :func:`tokenizer_info` encodes a
+probe text with and without special tokens and compares.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from lm_pipeline.data.config import TokenizerConfig
+
+__all__ = [
+    "TokenizerInfo",
+    "build_tokenizer",
+    "load_hf_tokenizer",
+    "load_tokenizer",
+    "tokenizer_info",
+    "train_bpe",
+]
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_MAP_FILE = "special_tokens_map.json"
+_PROBE = "Hello world: a probe, 123."
+_MAX_LEN = int(1e30)  # transformers' "no limit" (VERY_LARGE_INTEGER)
+_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be used as configured (no EOS, not a fast tokenizer, ...)."""
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the rest of the pipeline needs to know about a tokenizer directory."""
+
+    path: str
+    vocab_size: int
+    eos_token: str
+    eos_id: int
+    bos_token: str | None
+    bos_id: int | None
+    pad_id: int | None
+    adds_bos: bool  # encode(..., add_special_tokens=True) starts with BOS
+    adds_eos: bool  # encode(..., add_special_tokens=True) ends with EOS
+    fingerprint: str  # sha256 of tokenizer.json and the special-token roles
+
+
+# --- files ----------------------------------------------------------------------------------
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def _token_str(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, dict):  # AddedToken serialisation
+        return value.get("content")
+    return str(value)
+
+
+def _write_dir(
+    out_dir: str | os.PathLike,
+    tokenizer_json: bytes,
+    roles: dict[str, str | None],
+    extra: dict[str, Any] | None = None,
+    additional: list[str] | None = None,
+) -> TokenizerInfo:
+    """Write the three files (configs first, tokenizer.json last) and return the info."""
+    from tokenizers import Tokenizer
+
+    out = os.fspath(out_dir)
+    os.makedirs(out, exist_ok=True)
+    tok = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+    for role, token in roles.items():
+        if token is not None and tok.token_to_id(token) is None:
+            raise TokenizerError(f"{role} {token!r} is not in the tokenizer's vocabulary")
+    special = {k: v for k, v in roles.items() if v is not None}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": _MAX_LEN,
+        "clean_up_tokenization_spaces": False,
+        **(extra or {}),
+        **special,
+    }
+    smap: dict[str, Any] = dict(special)
+    if additional:
+        smap["additional_special_tokens"] = list(additional)
+    _atomic_write(os.path.join(out, CONFIG_FILE), _json_bytes(config))
+    _atomic_write(os.path.join(out, SPECIAL_MAP_FILE), _json_bytes(smap))
+    _atomic_write(os.path.join(out, TOKENIZER_FILE), tokenizer_json)
+    return tokenizer_info(out)
+
+
+# --- training -------------------------------------------------------------------------------
+
+
+def _capped(texts: Iterable[str], max_chars: int | None) -> Iterator[str]:
+    if max_chars is None:
+        yield from texts
+        return
+    left = max_chars
+    for t in texts:
+        if left <= 0:
+            return
+        if len(t) > left:
+            t = t[:left]
+        left -= len(t)
+        yield t
+
+
+def _progress(texts: Iterable[str], total: int | None, show: bool | None) -> Iterable[str]:
+    if show is None:
+        show = sys.stderr.isatty()
+    if not show:
+        return texts
+    from tqdm.auto import tqdm
+
+    return tqdm(texts, total=total, desc="train BPE", unit="doc", disable=not show)
+
+
+def _train_once(texts: Iterable[str], cfg: TokenizerConfig, length: int | None) -> bytes:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        special_tokens=list(cfg.special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
+    return tok.to_str(pretty=True).encode("utf-8")
+
+
+def train_bpe(
+    texts: Iterable[str],
+    cfg: TokenizerConfig,
+    out_dir: str | os.PathLike,
+    *,
+    length: int | None = None,
+    progress: bool | None = None,
+    check_determinism: bool = False,
+) -> TokenizerInfo:
+    """Train a byte-level BPE on ``texts`` (in order) and write it to ``out_dir``.
+
+    Args:
+        texts: the training documents; only the first ``cfg.max_train_chars`` characters are used.
+        cfg: vocab_size (special tokens included), min_frequency, special_tokens (the first is
+            EOS, BOS and PAD).
+        length: number of texts, if known (for the progress bar).
+        progress: show a tqdm bar; None = only when stderr is a terminal.
+        check_determinism: train a second time and raise if the result differs (doubles the cost;
+            ``texts`` must then be re-iterable, e.g. a list).
+    """
+    if check_determinism and iter(texts) is texts:
+        raise ValueError("check_determinism needs re-iterable texts (a list or tuple), not an iterator")
+    stream = _progress(_capped(texts, cfg.max_train_chars), length, progress)
+    data = _train_once(stream, cfg, length)
+    if check_determinism:
+        again = _train_once(_capped(texts, cfg.max_train_chars), cfg, length)
+        if again != data:
+            raise TokenizerError("BPE training is not deterministic here: two runs on the same texts differ")
+    first = cfg.special_tokens[0]
+    roles = {"bos_token": first, "eos_token": first, "pad_token": first}
+    return _write_dir(
+        out_dir, data, roles, {"add_prefix_space": False}, additional=list(cfg.special_tokens[1:])
+    )
+
+
+# --- Hugging Face tokenizers ----------------------------------------------------------------
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def load_hf_tokenizer(
+    name_or_path: str,
+    out_dir: str | os.PathLike,
+    *,
+    eos_token: str | None = None,
+    revision: str | None = None,
+) -> TokenizerInfo:
+    """Bring a Hugging Face tokenizer into ``out_dir`` in the layout described above.
+
+    A local directory with ``tokenizer.json`` is copied without transformers (``tokenizer.json``
+    byte for byte; special tokens from its ``special_tokens_map.json`` / ``tokenizer_config.json``).
+    Anything else (a hub name, a directory with only slow-tokenizer files) goes through
+    ``transformers.AutoTokenizer`` and must yield a fast tokenizer. ``eos_token`` overrides (or
+    supplies) the EOS token; it must be in the vocabulary.
+    """
+    local = os.path.expanduser(name_or_path)
+    additional: list[str] = []
+    if os.path.isfile(os.path.join(local, TOKENIZER_FILE)):
+        with open(os.path.join(local, TOKENIZER_FILE), "rb") as f:
+            data = f.read()
+        conf = _read_json(os.path.join(local, CONFIG_FILE))
+        smap = _read_json(os.path.join(local, SPECIAL_MAP_FILE))
+        roles = {r: _token_str(smap.get(r, conf.get(r))) for r in _ROLES}
+        extra: dict[str, Any] = {}
+        if isinstance(conf.get("model_max_length"), int):
+            extra["model_max_length"] = conf["model_max_length"]
+        additional = [
+            t for t in (_token_str(v) for v in smap.get("additional_special_tokens", []) or []) if t
+        ]
+    else:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise TokenizerError(
+                f"{name_or_path!r} has no tokenizer.json; loading it needs transformers: pip install 'lm-pipeline[hf]'"
+            ) from e
+        hf = AutoTokenizer.from_pretrained(name_or_path, revision=revision)
+        if not getattr(hf, "is_fast", False):
+            raise TokenizerError(
+                f"{name_or_path!r} has no fast (tokenizers) version; the pipeline needs tokenizer.json"
+            )
+        data = hf.backend_tokenizer.to_str(pretty=True).encode("utf-8")
+        roles = {r: _token_str(getattr(hf, r, None)) for r in _ROLES}
+        extra = {}
+        mml = getattr(hf, "model_max_length", None)
+        if isinstance(mml, int):
+            extra["model_max_length"] = mml
+    if eos_token is not None:
+        roles["eos_token"] = eos_token
+    if roles.get("eos_token") is None:
+        raise TokenizerError(
+            f"{name_or_path!r} defines no eos_token; set data.tokenizer.eos_token to one of its special tokens"
+        )
+    return _write_dir(out_dir, data, roles, extra, additional=additional)
+
+
+def build_tokenizer(
+    cfg: TokenizerConfig, out_dir: str | os.PathLike, texts: Iterable[str] | None = None, **kwargs: Any
+) -> TokenizerInfo:
+    """Train (``kind: bpe``, on ``texts``) or load (``kind: hf``) the configured tokenizer."""
+    if cfg.kind == "hf":
+        assert cfg.name_or_path is not None
+        return load_hf_tokenizer(cfg.name_or_path, out_dir, eos_token=cfg.eos_token, revision=cfg.revision)
+    if texts is None:
+        raise ValueError("training a BPE tokenizer needs texts (the training shards' texts)")
+    return train_bpe(texts, cfg, out_dir, **kwargs)
+
+
+# --- loading --------------------------------------------------------------------------------
+
+
+def _read_bytes(path: str) -> bytes:
+    if "://" in path and not path.startswith("file://"):
+        import fsspec
+
+        with fsspec.open(path, "rb") as f:
+            return f.read()
+    with open(path.removeprefix("file://"), "rb") as f:
+        return f.read()
+
+
+def _join(base: str, name: str) -> str:
+    return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The ``tokenizers.Tokenizer`` of a tokenizer directory (local or fsspec URL)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(_read_bytes(_join(os.fspath(path), TOKENIZER_FILE)).decode("utf-8"))
+
+
+def tokenizer_info(path: str | os.PathLike) -> TokenizerInfo:
+    """Vocabulary size, EOS / BOS / PAD ids and what the tokenizer adds by itself."""
+    from tokenizers import Tokenizer
+
+    base = os.fspath(path)
+    data = _read_bytes(_join(base, TOKENIZER_FILE))
+    tok = Tokenizer.from_str(data.decode("utf-8"))
+    try:
+        conf = json.loads(_read_bytes(_join(base, CONFIG_FILE)))
+    except FileNotFoundError:
+        conf = {}
+    roles = {r: _token_str(conf.get(r)) for r in _ROLES}
+    eos = roles["eos_token"]
+    if eos is None or tok.token_to_id(eos) is None:
+        raise TokenizerError(f"{base}: {CONFIG_FILE} names no eos_token in the vocabulary")
+    eos_id = tok.token_to_id(eos)
+    bos = roles["bos_token"]
+    bos_id = tok.token_to_id(bos) if bos is not None else None
+    pad_id = tok.token_to_id(roles["pad_token"]) if roles["pad_token"] is not None else None
+    with_special = tok.encode(_PROBE, add_special_tokens=True).ids
+    plain = tok.encode(_PROBE, add_special_tokens=False).ids
+    adds_bos = (
+        bos_id is not None and bool(with_special) and with_special[0] == bos_id and plain[:1] != [bos_id]
+    )
+    adds_eos = bool(with_special) and with_special[-1] == eos_id and plain[-1:] != [eos_id]
+    sha = hashlib.sha256(data)
+    sha.update(json.dumps({k: v for k, v in roles.items() if v is not None}, sort_keys=True).encode())
+    return TokenizerInfo(
+        path=base,
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        eos_token=eos,
+        eos_id=eos_id,
+        bos_token=bos if bos_id is not None else None,
+        bos_id=bos_id,
+        pad_id=pad_id,
+        adds_bos=adds_bos,
+        adds_eos=adds_eos,
+        fingerprint=sha.hexdigest(),
+    )

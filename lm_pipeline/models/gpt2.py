@@ -1,0 +1,232 @@
+"""GPT-2 (Radford et al. 2019), with Levanter's config keys.
+
+Pre-norm transformer: learned token and position embeddings, LayerNorm, GELU MLP, tied LM head.
+
+Parameter layout (L = num_layers, D = hidden_dim, N = num_heads, H = D // N, M = mlp_scale * D,
+V = vocab, S = seq_len) and the matching Hugging Face ``GPT2LMHeadModel`` tensors (HF's Conv1D
+stores ``[in, out]``; the fused ``c_attn`` concatenates q, k, v along its output dimension, each
+flattened as ``n * H + h``)::
+
+    token_embeddings             [V, D]        transformer.wte.weight   (also lm_head.weight: tied)
+    position_embeddings          [S, D]        transformer.wpe.weight
+    blocks.ln_1.weight/bias      [L, D]        transformer.h.{i}.ln_1.weight/bias
+    blocks.attn.q_proj           [L, D, N, H]  transformer.h.{i}.attn.c_attn.weight[:, 0:D]
+    blocks.attn.k_proj           [L, D, N, H]  transformer.h.{i}.attn.c_attn.weight[:, D:2D]
+    blocks.attn.v_proj           [L, D, N, H]  transformer.h.{i}.attn.c_attn.weight[:, 2D:3D]
+    blocks.attn.{q,k,v}_bias     [L, N, H]     transformer.h.{i}.attn.c_attn.bias (same split)
+    blocks.attn.o_proj           [L, N, H, D]  transformer.h.{i}.attn.c_proj.weight  ([D, D])
+    blocks.attn.o_bias           [L, D]        transformer.h.{i}.attn.c_proj.bias
+    blocks.ln_2.weight/bias      [L, D]        transformer.h.{i}.ln_2.weight/bias
+    blocks.mlp.up_proj/up_bias   [L, D, M]/[L, M]  transformer.h.{i}.mlp.c_fc.weight/bias
+    blocks.mlp.down_proj/down_bias [L, M, D]/[L, D] transformer.h.{i}.mlp.c_proj.weight/bias
+    ln_f.weight/bias             [D]           transformer.ln_f.weight/bias
+
+With ``use_bias: false`` the linear and LayerNorm biases are absent (HF export writes zeros).
+See :mod:`lm_pipeline.models.hf_mapping` for the conversion.
+
+Packed rows: with segment ids, position embeddings restart at 0 at the start of each segment
+(segments are contiguous runs), so a packed document sees exactly what it would see alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from lm_pipeline.models.base import (
+    LmConfig,
+    LmModel,
+    require_activation,
+    require_divisible,
+    require_positive,
+    require_probability,
+)
+from lm_pipeline.models.layers import (
+    F32,
+    Attention,
+    KVCache,
+    LayerNorm,
+    Mlp,
+    decode_mask,
+    dropout,
+    logical_axes,
+    normal,
+    scan_blocks,
+    segment_mask,
+    segment_positions,
+    stack_blocks,
+)
+from lm_pipeline.schema import ConfigError, field
+
+
+@LmConfig.register("gpt2")
+@dataclass(frozen=True)
+class Gpt2Config(LmConfig):
+    """GPT-2: learned positions, LayerNorm, GELU MLP, tied embeddings."""
+
+    type: Literal["gpt2"] = field("gpt2", help="Model family: 'gpt2'.")
+    seq_len: int = field(1024, help="Maximum sequence length (rows of the learned position embeddings).")
+    hidden_dim: int = field(768, help="Width of the residual stream (HF n_embd).")
+    num_layers: int = field(12, help="Number of transformer blocks (HF n_layer).")
+    num_heads: int = field(12, help="Attention heads; must divide hidden_dim (HF n_head).")
+    mlp_scale: int = field(4, help="MLP hidden width as a multiple of hidden_dim.")
+    initializer_range: float = field(0.02, help="Std of the normal weight init; residual projections use it / sqrt(2 * num_layers).")
+    embed_pdrop: float = field(0.0, help="Dropout on the embeddings (training only).")
+    resid_pdrop: float = field(0.0, help="Dropout on each residual branch's output (training only).")
+    attn_pdrop: float = field(0.0, help="Dropout on attention probabilities (training only; uses the explicit softmax path).")
+    layer_norm_epsilon: float = field(1e-5, help="LayerNorm epsilon.")
+    activation_function: Literal["gelu", "gelu_new", "relu", "silu"] = field("gelu_new", help="MLP activation: 'gelu' (exact), 'gelu_new' (tanh approximation), 'relu' or 'silu'.")
+    scale_attn_by_inverse_layer_idx: bool = field(False, help="Divide attention scores of layer i (0-based) by i + 1.")
+    upcast_attn: bool = field(False, help="Compute attention in float32 (HF reorder_and_upcast_attn).")
+    gradient_checkpointing: bool = field(True, help="Recompute each block's activations in the backward pass (saves memory, same results).", semantic=False)
+    use_bias: bool = field(True, help="Biases in linear layers and LayerNorms.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_dim // self.num_heads
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.mlp_scale * self.hidden_dim
+
+    def validate(self) -> None:
+        require_positive(self, "seq_len", "hidden_dim", "num_layers", "num_heads", "mlp_scale", "layer_norm_epsilon")
+        if self.initializer_range < 0:
+            raise ConfigError("initializer_range", f"must be >= 0, got {self.initializer_range!r}")
+        require_probability(self, "embed_pdrop", "resid_pdrop", "attn_pdrop")
+        require_divisible("hidden_dim", self.hidden_dim, "num_heads", self.num_heads)
+        require_activation(self)
+
+    def build(self, vocab_size: int, *, key: jax.Array) -> Gpt2Model:
+        return Gpt2Model(self, vocab_size, key=key)
+
+    def num_params(self, vocab_size: int) -> int:
+        d, m, b = self.hidden_dim, self.mlp_dim, int(self.use_bias)
+        per_layer = (
+            2 * d * (1 + b)  # ln_1, ln_2
+            + 4 * d * d + 4 * d * b  # q, k, v, o (+ biases)
+            + 2 * d * m + (m + d) * b  # mlp
+        )
+        return vocab_size * d + self.seq_len * d + self.num_layers * per_layer + d * (1 + b)
+
+    def flops_per_token(self, vocab_size: int) -> float:
+        """Training FLOPs per token, PaLM (Chowdhery et al. 2022, app. B) / Chinchilla style:
+        ``6 * N + 12 * L * T * D`` where N counts the matmul weights (attention and MLP
+        projections plus the LM head; not embeddings lookups, norms or biases) and the second
+        term is the attention scores and weighted sum over the full T x T map (causal masking
+        is not discounted, as in PaLM's MFU)."""
+        d, m, layers = self.hidden_dim, self.mlp_dim, self.num_layers
+        matmul = layers * (4 * d * d + 2 * d * m) + vocab_size * d
+        return float(6 * matmul + 12 * layers * self.seq_len * d)
+
+
+class Gpt2Block(eqx.Module):
+    ln_1: LayerNorm
+    attn: Attention
+    ln_2: LayerNorm
+    mlp: Mlp
+
+    def __init__(self, cfg: Gpt2Config, *, key: jax.Array):
+        k_attn, k_mlp = jax.random.split(key)
+        std = cfg.initializer_range
+        out_std = std / math.sqrt(2 * cfg.num_layers)
+        d, n = cfg.hidden_dim, cfg.num_heads
+        self.ln_1 = LayerNorm(d, cfg.layer_norm_epsilon, cfg.use_bias)
+        self.attn = Attention(d, n, n, cfg.head_dim, use_bias=cfg.use_bias, std=std, out_std=out_std, key=k_attn)
+        self.ln_2 = LayerNorm(d, cfg.layer_norm_epsilon, cfg.use_bias)
+        self.mlp = Mlp(
+            d, cfg.mlp_dim, activation=cfg.activation_function, gated=False, use_bias=cfg.use_bias,
+            std=std, out_std=out_std, key=k_mlp,
+        )
+
+    def __call__(self, x, cfg: Gpt2Config, mask, layer_idx, key, kv, position):
+        k_attn, k_res1, k_res2 = jax.random.split(key, 3) if key is not None else (None, None, None)
+        scale: Any = 1.0 / math.sqrt(cfg.head_dim)
+        if cfg.scale_attn_by_inverse_layer_idx:
+            scale = scale / (layer_idx + 1).astype(F32)
+        y, kv = self.attn(
+            self.ln_1(x), mask, scale=scale, upcast=cfg.upcast_attn, kv=kv, position=position,
+            dropout_rate=cfg.attn_pdrop if key is not None else 0.0, key=k_attn,
+        )
+        x = x + dropout(y, cfg.resid_pdrop, k_res1)
+        x = x + dropout(self.mlp(self.ln_2(x)), cfg.resid_pdrop, k_res2)
+        return x, kv
+
+
+class Gpt2Model(LmModel):
+    token_embeddings: jax.Array  # [V, D]
+    position_embeddings: jax.Array  # [S, D]
+    blocks: Gpt2Block  # stacked: every array has a leading [L] axis
+    ln_f: LayerNorm
+    config: Gpt2Config = eqx.field(static=True)
+    AXES: ClassVar[dict[str, tuple]] = {
+        "token_embeddings": ("vocab", "embed"),
+        "position_embeddings": (None, "embed"),
+    }
+
+    def __init__(self, config: Gpt2Config, vocab_size: int, *, key: jax.Array):
+        k_tok, k_pos, k_blocks = jax.random.split(key, 3)
+        std = config.initializer_range
+        self.token_embeddings = normal(k_tok, (vocab_size, config.hidden_dim), std)
+        self.position_embeddings = normal(k_pos, (config.seq_len, config.hidden_dim), std)
+        self.blocks = stack_blocks(lambda k: Gpt2Block(config, key=k), config.num_layers, k_blocks)
+        self.ln_f = LayerNorm(config.hidden_dim, config.layer_norm_epsilon, config.use_bias)
+        self.config = config
+
+    def __call__(self, tokens, segment_ids=None, *, key=None, inference=True):
+        cfg = self.config
+        t = tokens.shape[1]
+        if t > cfg.seq_len:
+            raise ValueError(f"sequence length {t} exceeds the model's seq_len {cfg.seq_len}")
+        training = not inference and max(cfg.embed_pdrop, cfg.resid_pdrop, cfg.attn_pdrop) > 0
+        if training and key is None:
+            raise ValueError("dropout is enabled (inference=False): pass a PRNG key")
+        k_emb, k_layers = jax.random.split(key) if training else (None, None)
+        if segment_ids is None:
+            positions, mask = jnp.arange(t)[None], None
+        else:
+            positions, mask = segment_positions(segment_ids), segment_mask(segment_ids)
+        x = self.token_embeddings[tokens] + self.position_embeddings[positions]
+        x = dropout(x, cfg.embed_pdrop, k_emb)
+        layer_keys = jax.random.split(k_layers, cfg.num_layers) if training else None
+        x, _ = self._trunk(x, mask, keys=layer_keys)
+        return self._logits(x)
+
+    def _trunk(self, x, mask, *, keys=None, cache: KVCache | None = None, position: Any = 0):
+        cfg = self.config
+
+        def apply(block, h, inputs):
+            idx, key, kv = inputs
+            return block(h, cfg, mask, idx, key, kv, position)
+
+        kv = None if cache is None else (cache.k, cache.v)
+        xs = (jnp.arange(cfg.num_layers), keys, kv)
+        return scan_blocks(apply, self.blocks, x, xs, checkpoint=cfg.gradient_checkpointing and cache is None)
+
+    def _logits(self, x):
+        return jnp.einsum("btd,vd->btv", self.ln_f(x), self.token_embeddings)
+
+    def param_axes(self):
+        return logical_axes(self)
+
+    def init_cache(self, batch: int, max_len: int | None = None, dtype: Any = None) -> KVCache:
+        cfg = self.config
+        max_len = cfg.seq_len if max_len is None else max_len
+        if max_len > cfg.seq_len:
+            raise ValueError(f"max_len {max_len} exceeds the model's seq_len {cfg.seq_len}")
+        dtype = self.token_embeddings.dtype if dtype is None else dtype
+        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_heads, cfg.head_dim, dtype)
+
+    def decode(self, tokens, cache: KVCache, position):
+        """See :meth:`LmModel.decode`. Positions must stay below ``min(seq_len, cache.max_len)``
+        (beyond, position embeddings and cache writes are clamped, not checked, inside jit)."""
+        s = tokens.shape[1]
+        pos_emb = jax.lax.dynamic_slice_in_dim(self.position_embeddings, position, s)
+        x = self.token_embeddings[tokens] + pos_emb[None]
+        x, (k, v) = self._trunk(x, decode_mask(position, s, cache.max_len), cache=cache, position=position)
+        return self._logits(x), KVCache(k, v)

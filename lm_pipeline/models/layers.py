@@ -1,0 +1,437 @@
+"""Building blocks shared by the model families: norms, MLP, attention, rotary, layer scan.
+
+Conventions:
+
+* Activations are ``[batch, seq, ...]``; attention tensors are ``[B, T, heads, head_dim]``.
+* Weights are stored ``[in, out]`` with the head axes kept separate (``q_proj: [D, N, H]``,
+  ``o_proj: [N, H, D]``) so that ``heads`` can be sharded without reshapes.
+* Each module lists the logical axes of its own array fields in ``AXES``; :func:`logical_axes`
+  turns a whole model into the ``PartitionSpec`` tree of :meth:`LmModel.param_axes`, adding
+  ``layers`` in front of everything under a ``blocks`` field (the stacked transformer blocks).
+* Computation stays in the parameters' dtype; norms and the softmax run in float32 and cast
+  back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+F32 = jnp.float32
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu": partial(jax.nn.gelu, approximate=False),  # HF "gelu": exact erf form
+    "gelu_new": partial(jax.nn.gelu, approximate=True),  # HF "gelu_new": tanh approximation
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}
+
+
+def normal(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array:
+    return std * jax.random.normal(key, shape, F32)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout; the identity when ``rate == 0`` or ``key is None``."""
+    if rate == 0.0 or key is None:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- norms
+
+
+class LayerNorm(eqx.Module):
+    weight: jax.Array  # [D]
+    bias: jax.Array | None  # [D]
+    eps: float = eqx.field(static=True)
+    AXES: ClassVar[dict[str, tuple]] = {"weight": ("embed",), "bias": ("embed",)}
+
+    def __init__(self, dim: int, eps: float, use_bias: bool = True):
+        self.weight = jnp.ones((dim,), F32)
+        self.bias = jnp.zeros((dim,), F32) if use_bias else None
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(F32)
+        mean = xf.mean(-1, keepdims=True)
+        var = jnp.square(xf - mean).mean(-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps) * self.weight.astype(F32)
+        if self.bias is not None:
+            y = y + self.bias.astype(F32)
+        return y.astype(x.dtype)
+
+
+class RmsNorm(eqx.Module):
+    """Llama's RMSNorm (as HF: normalise in f32, cast back, then scale)."""
+
+    weight: jax.Array  # [D]
+    eps: float = eqx.field(static=True)
+    AXES: ClassVar[dict[str, tuple]] = {"weight": ("embed",)}
+
+    def __init__(self, dim: int, eps: float):
+        self.weight = jnp.ones((dim,), F32)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(F32)
+        y = xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + self.eps)
+        return (self.weight * y.astype(x.dtype)).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- MLP
+
+
+class Mlp(eqx.Module):
+    """``down(act(x @ up))``, or the gated form ``down(act(x @ gate) * (x @ up))`` (SwiGLU)."""
+
+    up_proj: jax.Array  # [D, M]
+    up_bias: jax.Array | None  # [M]
+    gate_proj: jax.Array | None  # [D, M]
+    gate_bias: jax.Array | None  # [M]
+    down_proj: jax.Array  # [M, D]
+    down_bias: jax.Array | None  # [D]
+    activation: str = eqx.field(static=True)
+    AXES: ClassVar[dict[str, tuple]] = {
+        "up_proj": ("embed", "mlp"),
+        "up_bias": ("mlp",),
+        "gate_proj": ("embed", "mlp"),
+        "gate_bias": ("mlp",),
+        "down_proj": ("mlp", "embed"),
+        "down_bias": ("embed",),
+    }
+
+    def __init__(
+        self, dim: int, hidden: int, *, activation: str, gated: bool, use_bias: bool,
+        std: float, out_std: float, key: jax.Array,
+    ):
+        k_up, k_gate, k_down = jax.random.split(key, 3)
+        self.up_proj = normal(k_up, (dim, hidden), std)
+        self.gate_proj = normal(k_gate, (dim, hidden), std) if gated else None
+        self.down_proj = normal(k_down, (hidden, dim), out_std)
+        self.up_bias = jnp.zeros((hidden,), F32) if use_bias else None
+        self.gate_bias = jnp.zeros((hidden,), F32) if use_bias and gated else None
+        self.down_bias = jnp.zeros((dim,), F32) if use_bias else None
+        self.activation = activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        act = ACTIVATIONS[self.activation]
+        h = _linear(x, self.up_proj, self.up_bias)
+        if self.gate_proj is not None:
+            h = act(_linear(x, self.gate_proj, self.gate_bias)) * h
+        else:
+            h = act(h)
+        return _linear(h, self.down_proj, self.down_bias)
+
+
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+    y = jnp.einsum("btd,dm->btm", x, w)
+    return y if b is None else y + b
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+class KVCache(eqx.Module):
+    """Keys and values of all layers for incremental decoding: ``[layers, B, max_len, K, H]``."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype: Any):
+        shape = (layers, batch, max_len, kv_heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+class Attention(eqx.Module):
+    """Multi-head self attention with grouped k/v heads (``kv_heads`` divides ``heads``)."""
+
+    q_proj: jax.Array  # [D, N, H]
+    k_proj: jax.Array  # [D, K, H]
+    v_proj: jax.Array  # [D, K, H]
+    o_proj: jax.Array  # [N, H, D]
+    q_bias: jax.Array | None  # [N, H]
+    k_bias: jax.Array | None  # [K, H]
+    v_bias: jax.Array | None  # [K, H]
+    o_bias: jax.Array | None  # [D]
+    AXES: ClassVar[dict[str, tuple]] = {
+        "q_proj": ("embed", "heads", "head_dim"),
+        "k_proj": ("embed", "kv_heads", "head_dim"),
+        "v_proj": ("embed", "kv_heads", "head_dim"),
+        "o_proj": ("heads", "head_dim", "embed"),
+        "q_bias": ("heads", "head_dim"),
+        "k_bias": ("kv_heads", "head_dim"),
+        "v_bias": ("kv_heads", "head_dim"),
+        "o_bias": ("embed",),
+    }
+
+    def __init__(
+        self, dim: int, heads: int, kv_heads: int, head_dim: int, *, use_bias: bool,
+        std: float, out_std: float, key: jax.Array,
+    ):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.q_proj = normal(kq, (dim, heads, head_dim), std)
+        self.k_proj = normal(kk, (dim, kv_heads, head_dim), std)
+        self.v_proj = normal(kv, (dim, kv_heads, head_dim), std)
+        self.o_proj = normal(ko, (heads, head_dim, dim), out_std)
+        self.q_bias = jnp.zeros((heads, head_dim), F32) if use_bias else None
+        self.k_bias = jnp.zeros((kv_heads, head_dim), F32) if use_bias else None
+        self.v_bias = jnp.zeros((kv_heads, head_dim), F32) if use_bias else None
+        self.o_bias = jnp.zeros((dim,), F32) if use_bias else None
+
+    def __call__(
+        self,
+        x: jax.Array,
+        mask: jax.Array | None,
+        *,
+        scale: float | jax.Array,
+        upcast: bool = False,
+        rope: tuple[jax.Array, jax.Array] | None = None,
+        kv: tuple[jax.Array, jax.Array] | None = None,
+        position: jax.Array | int = 0,
+        dropout_rate: float = 0.0,
+        key: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """x [B, T, D] -> ([B, T, D], updated kv).
+
+        mask: see :func:`attention`. rope: (cos, sin) from :func:`rotary_cos_sin`.
+        kv: one layer's cache ``([B, L, K, H], [B, L, K, H])``; the new keys/values are written at
+        ``position`` and attention runs over the whole cache (``mask`` must hide the future).
+        """
+        q = _proj(x, self.q_proj, self.q_bias)
+        k = _proj(x, self.k_proj, self.k_bias)
+        v = _proj(x, self.v_proj, self.v_bias)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if kv is not None:
+            ck = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), position, axis=1)
+            cv = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), position, axis=1)
+            kv = (ck, cv)
+            k, v = ck.astype(q.dtype), cv.astype(q.dtype)
+        o = attention(q, k, v, mask, scale=scale, upcast=upcast, dropout_rate=dropout_rate, key=key)
+        y = jnp.einsum("btnh,nhd->btd", o, self.o_proj)
+        if self.o_bias is not None:
+            y = y + self.o_bias
+        return y, kv
+
+
+def _proj(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+    y = jnp.einsum("btd,dnh->btnh", x, w)
+    return y if b is None else y + b
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    *,
+    scale: float | jax.Array,
+    upcast: bool = False,
+    dropout_rate: float = 0.0,
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention. q [B, T, N, H], k/v [B, S, K, H] -> [B, T, N, H].
+
+    mask: None for plain causal attention (T == S), else a boolean array broadcastable to
+    [B, 1, T, S], True where a query may attend. Every query row should allow at least one key
+    (see :func:`segment_mask`). Uses ``jax.nn.dot_product_attention`` unless attention dropout
+    is active, in which case an explicit softmax path applies dropout to the probabilities.
+    ``upcast`` runs the whole computation in float32.
+    """
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.astype(F32), k.astype(F32), v.astype(F32)
+    if dropout_rate > 0.0 and key is not None:
+        out = softmax_attention(q, k, v, mask, scale=scale, dropout_rate=dropout_rate, key=key)
+    else:
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None, scale=scale)
+    return out.astype(dtype)
+
+
+def softmax_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    *,
+    scale: float | jax.Array,
+    dropout_rate: float = 0.0,
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """The explicit path of :func:`attention` (same arguments), with dropout on the probabilities.
+
+    Query head ``n`` uses k/v head ``n // (N // K)``, as ``jax.nn.dot_product_attention`` and
+    HF's ``repeat_kv`` do.
+    """
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=F32) * scale
+    if mask is None:
+        mask = jnp.tril(jnp.ones((t, s), bool))
+    else:
+        mask = mask[:, :, None]  # [B, 1, 1, T, S]
+    logits = jnp.where(mask, logits, -0.7 * jnp.finfo(F32).max)
+    probs = jax.nn.softmax(logits, axis=-1)
+    probs = dropout(probs, dropout_rate, key).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    return out.reshape(b, t, n, h)
+
+
+def segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] segment ids -> bool [B, 1, T, T]: causal & same segment & not padding.
+
+    Padding queries (id 0) attend to themselves only, so their rows stay finite with any
+    attention implementation; no real token ever attends to padding.
+    """
+    t = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    real = (segment_ids != 0)[:, :, None]
+    return ((causal & same & real) | jnp.eye(t, dtype=bool))[:, None]
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] -> int32 [B, T]: position of each token within its (contiguous) segment."""
+    b, t = segment_ids.shape
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    starts = jnp.concatenate(
+        [jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+def decode_mask(position: jax.Array | int, length: int, max_len: int) -> jax.Array:
+    """bool [1, 1, length, max_len]: query ``position + i`` sees cache slots ``<= position + i``."""
+    q_pos = position + jnp.arange(length)
+    return (jnp.arange(max_len)[None, :] <= q_pos[:, None])[None, None]
+
+
+# ----------------------------------------------------------------------------- rotary
+
+
+def rotary_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """positions int [..., T] -> (cos, sin) f32 [..., T, head_dim], HF Llama's default rope."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=F32) / head_dim))
+    freqs = positions[..., None].astype(F32) * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, N, H]; cos/sin [B or 1, T, H]. HF's ``rotate_half`` convention (split halves)."""
+    cos = cos[..., None, :].astype(x.dtype)
+    sin = sin[..., None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+# ----------------------------------------------------------------------------- layer scan
+
+
+def stack_blocks(make: Callable[[jax.Array], eqx.Module], num_layers: int, key: jax.Array) -> Any:
+    """Build ``num_layers`` blocks with their arrays stacked on a leading ``layers`` axis."""
+    return eqx.filter_vmap(make)(jax.random.split(key, num_layers))
+
+
+def scan_blocks(
+    apply: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]],
+    blocks: Any,
+    x: jax.Array,
+    xs: Any,
+    *,
+    checkpoint: bool,
+) -> tuple[jax.Array, Any]:
+    """``x = apply(block_i, x, xs[i])`` for each stacked block, with ``jax.lax.scan``.
+
+    ``apply`` returns ``(x, y)``; the ``y`` are stacked. With ``checkpoint`` each layer is
+    rematerialised in the backward pass, saving only the residual stream between layers
+    (policy ``nothing_saveable``: activation memory O(layers x B x T x D)).
+    """
+    params, static = eqx.partition(blocks, eqx.is_array)
+
+    def body(h, inputs):
+        p, extra = inputs
+        return apply(eqx.combine(p, static), h, extra)
+
+    if checkpoint:
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    return jax.lax.scan(body, x, (params, xs))
+
+
+# ----------------------------------------------------------------------------- parameter trees
+
+
+def _is_param(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _names(path: tuple) -> list[str]:
+    names = []
+    for entry in path:
+        if not isinstance(entry, jax.tree_util.GetAttrKey):
+            raise TypeError(f"unexpected pytree path entry {entry!r}: models hold modules and arrays only")
+        names.append(entry.name)
+    return names
+
+
+def named_params(model: eqx.Module) -> dict[str, Any]:
+    """``{"blocks.attn.q_proj": array, ...}``: every array of ``model`` by its dotted field path."""
+    leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(model, _is_param))[0]
+    return {".".join(_names(path)): leaf for path, leaf in leaves}
+
+
+def replace_params(model: eqx.Module, named: dict[str, Any]) -> eqx.Module:
+    """``model`` (or an ``eqx.filter_eval_shape`` skeleton) with every array taken from ``named``."""
+    unused = set(named)
+
+    def take(path, leaf):
+        if not _is_param(leaf):
+            return leaf
+        name = ".".join(_names(path))
+        if name not in named:
+            raise KeyError(f"no value for parameter {name!r}")
+        value = jnp.asarray(named[name], dtype=leaf.dtype)
+        if value.shape != leaf.shape:
+            raise ValueError(f"parameter {name!r}: shape {value.shape}, expected {leaf.shape}")
+        unused.discard(name)
+        return value
+
+    out = jax.tree_util.tree_map_with_path(take, model)
+    if unused:
+        raise KeyError(f"values for unknown parameters: {sorted(unused)}")
+    return out
+
+
+def logical_axes(model: eqx.Module) -> Any:
+    """The ``PartitionSpec`` tree of ``model``'s arrays, from each owning module's ``AXES``.
+
+    Arrays under a field named ``blocks`` (stacked blocks) get ``layers`` as first axis.
+    """
+
+    def spec(path, leaf):
+        names = _names(path)
+        owner = model
+        for name in names[:-1]:
+            owner = getattr(owner, name)
+        axes = tuple(type(owner).AXES[names[-1]])
+        if "blocks" in names[:-1]:
+            axes = ("layers", *axes)
+        if len(axes) != leaf.ndim:
+            raise ValueError(f"{'.'.join(names)}: axes {axes} do not match shape {leaf.shape}")
+        return P(*axes)
+
+    return jax.tree_util.tree_map_with_path(spec, eqx.filter(model, _is_param))

@@ -1,0 +1,227 @@
+"""Llama (Touvron et al. 2023), with Levanter's config keys; numerically HF ``LlamaForCausalLM``.
+
+Pre-norm transformer: RMSNorm, rotary position embeddings (HF ``rotate_half`` convention: the
+head dimension's two halves are the rotation pairs), grouped-query attention, SwiGLU MLP,
+untied LM head by default.
+
+Parameter layout (L = num_layers, D = hidden_dim, N = num_heads, K = num_kv_heads,
+H = head_dim, I = intermediate_dim, V = vocab) and the matching Hugging Face tensors (HF's
+``nn.Linear`` stores ``[out, in]``; its head outputs are flattened as ``n * H + h``)::
+
+    token_embeddings                 [V, D]        model.embed_tokens.weight
+    blocks.input_layernorm.weight    [L, D]        model.layers.{i}.input_layernorm.weight
+    blocks.self_attn.q_proj          [L, D, N, H]  model.layers.{i}.self_attn.q_proj.weight  [N*H, D]
+    blocks.self_attn.k_proj          [L, D, K, H]  model.layers.{i}.self_attn.k_proj.weight  [K*H, D]
+    blocks.self_attn.v_proj          [L, D, K, H]  model.layers.{i}.self_attn.v_proj.weight  [K*H, D]
+    blocks.self_attn.o_proj          [L, N, H, D]  model.layers.{i}.self_attn.o_proj.weight  [D, N*H]
+    blocks.self_attn.{q,k,v,o}_bias                model.layers.{i}.self_attn.{q,k,v,o}_proj.bias
+                                                   (use_bias; HF attention_bias)
+    blocks.post_attention_layernorm.weight [L, D]  model.layers.{i}.post_attention_layernorm.weight
+    blocks.mlp.gate_proj             [L, D, I]     model.layers.{i}.mlp.gate_proj.weight     [I, D]
+    blocks.mlp.up_proj               [L, D, I]     model.layers.{i}.mlp.up_proj.weight       [I, D]
+    blocks.mlp.down_proj             [L, I, D]     model.layers.{i}.mlp.down_proj.weight     [D, I]
+    blocks.mlp.{gate,up,down}_bias                 model.layers.{i}.mlp.*.bias (use_bias; HF mlp_bias)
+    norm.weight                      [D]           model.norm.weight
+    lm_head                          [V, D]        lm_head.weight  (None when tie_word_embeddings)
+
+See :mod:`lm_pipeline.models.hf_mapping` for the conversion.
+
+Packed rows: with segment ids, rotary positions restart at 0 at the start of each segment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from lm_pipeline.models.base import (
+    LmConfig,
+    LmModel,
+    require_activation,
+    require_divisible,
+    require_positive,
+)
+from lm_pipeline.models.layers import (
+    Attention,
+    KVCache,
+    Mlp,
+    RmsNorm,
+    decode_mask,
+    logical_axes,
+    normal,
+    rotary_cos_sin,
+    scan_blocks,
+    segment_mask,
+    segment_positions,
+    stack_blocks,
+)
+from lm_pipeline.schema import ConfigError, field
+
+
+@LmConfig.register("llama")
+@dataclass(frozen=True)
+class LlamaConfig(LmConfig):
+    """Llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP."""
+
+    type: Literal["llama"] = field("llama", help="Model family: 'llama'.")
+    seq_len: int = field(2048, help="Training sequence length (HF max_position_embeddings).")
+    hidden_dim: int = field(4096, help="Width of the residual stream (HF hidden_size).")
+    intermediate_dim: int = field(11008, help="Hidden width of the SwiGLU MLP (HF intermediate_size).")
+    num_layers: int = field(32, help="Number of transformer blocks.")
+    num_heads: int = field(32, help="Query heads.")
+    num_kv_heads: int = field(32, help="Key/value heads; fewer than num_heads gives grouped-query attention (1: multi-query). Must divide num_heads.")
+    head_dim: int | None = field(None, help="Per-head width; null means hidden_dim // num_heads.")
+    activation_function: Literal["gelu", "gelu_new", "relu", "silu"] = field("silu", help="Gate activation of the MLP ('silu' = SwiGLU).")
+    initializer_range: float = field(0.02, help="Std of the normal weight init.")
+    layer_norm_epsilon: float = field(1e-6, help="RMSNorm epsilon (HF rms_norm_eps).")
+    rope_theta: float = field(10000.0, help="Rotary embedding base.")
+    tie_word_embeddings: bool = field(False, help="Use the token embeddings as the LM head.")
+    use_bias: bool = field(False, help="Biases in the attention and MLP projections (HF attention_bias and mlp_bias).")
+    upcast_attn: bool = field(False, help="Compute attention in float32.")
+    gradient_checkpointing: bool = field(True, help="Recompute each block's activations in the backward pass (saves memory, same results).", semantic=False)
+
+    @property
+    def head_size(self) -> int:
+        """The effective head dimension (``head_dim`` or ``hidden_dim // num_heads``)."""
+        return self.head_dim if self.head_dim is not None else self.hidden_dim // self.num_heads
+
+    def validate(self) -> None:
+        require_positive(self, "seq_len", "hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads", "layer_norm_epsilon", "rope_theta")
+        if self.initializer_range < 0:
+            raise ConfigError("initializer_range", f"must be >= 0, got {self.initializer_range!r}")
+        if self.num_heads % self.num_kv_heads:
+            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
+            raise ConfigError(
+                "num_kv_heads",
+                f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}; valid: {', '.join(map(str, divisors))}",
+            )
+        if self.head_dim is None:
+            require_divisible("hidden_dim", self.hidden_dim, "num_heads", self.num_heads)
+        elif self.head_dim <= 0:
+            raise ConfigError("head_dim", f"must be positive or null, got {self.head_dim}")
+        if self.head_size % 2:
+            where = "head_dim" if self.head_dim is not None else "hidden_dim"
+            raise ConfigError(where, f"the head dimension ({self.head_size}) must be even for rotary embeddings")
+        require_activation(self)
+
+    def build(self, vocab_size: int, *, key: jax.Array) -> LlamaModel:
+        return LlamaModel(self, vocab_size, key=key)
+
+    def _matmul_params_per_layer(self) -> int:
+        d, h, n, kv, i = self.hidden_dim, self.head_size, self.num_heads, self.num_kv_heads, self.intermediate_dim
+        return 2 * d * n * h + 2 * d * kv * h + 3 * d * i
+
+    def num_params(self, vocab_size: int) -> int:
+        d, h, n, kv, i = self.hidden_dim, self.head_size, self.num_heads, self.num_kv_heads, self.intermediate_dim
+        per_layer = 2 * d + self._matmul_params_per_layer()
+        if self.use_bias:
+            per_layer += n * h + 2 * kv * h + d + 2 * i + d
+        head = 0 if self.tie_word_embeddings else vocab_size * d
+        return vocab_size * d + head + self.num_layers * per_layer + d
+
+    def flops_per_token(self, vocab_size: int) -> float:
+        """Training FLOPs per token, PaLM (Chowdhery et al. 2022, app. B) / Chinchilla style:
+        ``6 * N + 12 * L * T * N_heads * head_dim`` where N counts the matmul weights (q, k, v,
+        o, gate, up, down and the LM head, tied or not; not the embedding lookup, norms or
+        biases) and the second term is attention over the full T x T map (causal masking not
+        discounted)."""
+        matmul = self.num_layers * self._matmul_params_per_layer() + vocab_size * self.hidden_dim
+        attn = 12 * self.num_layers * self.seq_len * self.num_heads * self.head_size
+        return float(6 * matmul + attn)
+
+
+class LlamaBlock(eqx.Module):
+    input_layernorm: RmsNorm
+    self_attn: Attention
+    post_attention_layernorm: RmsNorm
+    mlp: Mlp
+
+    def __init__(self, cfg: LlamaConfig, *, key: jax.Array):
+        k_attn, k_mlp = jax.random.split(key)
+        std = cfg.initializer_range
+        d = cfg.hidden_dim
+        self.input_layernorm = RmsNorm(d, cfg.layer_norm_epsilon)
+        self.self_attn = Attention(
+            d, cfg.num_heads, cfg.num_kv_heads, cfg.head_size, use_bias=cfg.use_bias, std=std, out_std=std, key=k_attn
+        )
+        self.post_attention_layernorm = RmsNorm(d, cfg.layer_norm_epsilon)
+        self.mlp = Mlp(
+            d, cfg.intermediate_dim, activation=cfg.activation_function, gated=True, use_bias=cfg.use_bias,
+            std=std, out_std=std, key=k_mlp,
+        )
+
+    def __call__(self, x, cfg: LlamaConfig, mask, rope, kv, position):
+        y, kv = self.self_attn(
+            self.input_layernorm(x), mask, scale=cfg.head_size**-0.5, upcast=cfg.upcast_attn,
+            rope=rope, kv=kv, position=position,
+        )
+        x = x + y
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv
+
+
+class LlamaModel(LmModel):
+    token_embeddings: jax.Array  # [V, D]
+    blocks: LlamaBlock  # stacked: every array has a leading [L] axis
+    norm: RmsNorm
+    lm_head: jax.Array | None  # [V, D]; None when tied to token_embeddings
+    config: LlamaConfig = eqx.field(static=True)
+    AXES: ClassVar[dict[str, tuple]] = {
+        "token_embeddings": ("vocab", "embed"),
+        "lm_head": ("vocab", "embed"),
+    }
+
+    def __init__(self, config: LlamaConfig, vocab_size: int, *, key: jax.Array):
+        k_tok, k_blocks, k_head = jax.random.split(key, 3)
+        std, d = config.initializer_range, config.hidden_dim
+        self.token_embeddings = normal(k_tok, (vocab_size, d), std)
+        self.blocks = stack_blocks(lambda k: LlamaBlock(config, key=k), config.num_layers, k_blocks)
+        self.norm = RmsNorm(d, config.layer_norm_epsilon)
+        self.lm_head = None if config.tie_word_embeddings else normal(k_head, (vocab_size, d), std)
+        self.config = config
+
+    def __call__(self, tokens, segment_ids=None, *, key=None, inference=True):
+        del key, inference  # Llama has no dropout
+        t = tokens.shape[1]
+        if segment_ids is None:
+            positions, mask = jnp.arange(t)[None], None
+        else:
+            positions, mask = segment_positions(segment_ids), segment_mask(segment_ids)
+        x, _ = self._trunk(self.token_embeddings[tokens], mask, positions)
+        return self._logits(x)
+
+    def _trunk(self, x, mask, positions, *, cache: KVCache | None = None, position: Any = 0):
+        cfg = self.config
+        rope = rotary_cos_sin(positions, cfg.head_size, cfg.rope_theta)
+
+        def apply(block, h, kv):
+            return block(h, cfg, mask, rope, kv, position)
+
+        kv = None if cache is None else (cache.k, cache.v)
+        return scan_blocks(apply, self.blocks, x, kv, checkpoint=cfg.gradient_checkpointing and cache is None)
+
+    def _logits(self, x):
+        head = self.token_embeddings if self.lm_head is None else self.lm_head
+        return jnp.einsum("btd,vd->btv", self.norm(x), head)
+
+    def param_axes(self):
+        return logical_axes(self)
+
+    def init_cache(self, batch: int, max_len: int | None = None, dtype: Any = None) -> KVCache:
+        cfg = self.config
+        max_len = cfg.seq_len if max_len is None else max_len
+        dtype = self.token_embeddings.dtype if dtype is None else dtype
+        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_size, dtype)
+
+    def decode(self, tokens, cache: KVCache, position):
+        """See :meth:`LmModel.decode`. Positions must stay below ``cache.max_len`` (cache writes
+        past the end are clamped, not checked, inside jit)."""
+        s = tokens.shape[1]
+        positions = (position + jnp.arange(s))[None]
+        mask = decode_mask(position, s, cache.max_len)
+        x, (k, v) = self._trunk(self.token_embeddings[tokens], mask, positions, cache=cache, position=position)
+        return self._logits(x), KVCache(k, v)

@@ -1,0 +1,217 @@
+"""Trainer configuration: run length, batch and parallelism, precision, mesh, distributed start-up.
+
+Field names follow Levanter's ``TrainerConfig``; the spellings used in Levanter's guides
+(``batch_size``, ``per_device_train_parallelism``, ``eval_per_device_parallelism``,
+``trainer.wandb.*``) are accepted as aliases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+
+from lm_pipeline.schema import ConfigError, field
+from lm_pipeline.train.checkpoint import CheckpointerConfig
+from lm_pipeline.train.trackers import TrackerConfig
+
+_DTYPES = {
+    "f32": jnp.float32,
+    "float32": jnp.float32,
+    "bf16": jnp.bfloat16,
+    "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16,
+    "float16": jnp.float16,
+}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Mixed precision policy: parameter, compute and output dtypes."""
+
+    param: Any
+    compute: Any
+    output: Any
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        return self.compute == jnp.float16
+
+
+def parse_mp(spec: str) -> Precision:
+    """Parse ``p=f32,c=bfloat16[,o=f32]`` (jmp style) or a single dtype name.
+
+    A single name sets the compute dtype; parameters stay f32 and outputs follow compute.
+    """
+    spec = spec.strip()
+    if "=" not in spec:
+        if spec not in _DTYPES:
+            raise ConfigError("", f"unknown dtype {spec!r}; use one of f32, bf16, f16 or 'p=f32,c=bfloat16'")
+        c = _DTYPES[spec]
+        return Precision(jnp.float32, c, c)
+    parts: dict[str, Any] = {}
+    names = {"p": "param", "params": "param", "c": "compute", "compute": "compute", "o": "output", "output": "output"}
+    for item in spec.split(","):
+        if "=" not in item:
+            raise ConfigError("", f"bad mixed precision item {item!r}; expected key=dtype, e.g. p=f32,c=bfloat16")
+        k, v = (s.strip() for s in item.split("=", 1))
+        if k not in names:
+            raise ConfigError("", f"unknown key {k!r} in mixed precision policy; use p, c, o")
+        if v not in _DTYPES:
+            raise ConfigError("", f"unknown dtype {v!r}; use one of {', '.join(sorted(_DTYPES))}")
+        parts[names[k]] = _DTYPES[v]
+    param = parts.get("param", jnp.float32)
+    compute = parts.get("compute", param)
+    return Precision(param, compute, parts.get("output", compute))
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-host start-up through ``jax.distributed.initialize``."""
+
+    coordinator_address: str | None = field(None, help="host:port of process 0; None lets JAX detect SLURM/TPU clusters.", semantic=False)
+    num_processes: int | None = field(None, help="Number of processes in the job.", semantic=False)
+    process_id: int | None = field(None, help="This process's id, 0..num_processes-1.", semantic=False)
+    local_device_ids: tuple[int, ...] | None = field(None, help="Devices this process uses (default: all visible).", semantic=False)
+    initialize: bool | None = field(None, help="Call jax.distributed.initialize; None = only when coordinator_address or num_processes is set.", semantic=False)
+
+    def validate(self) -> None:
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ConfigError("num_processes", "must be >= 1")
+        if self.process_id is not None and self.num_processes is not None and not 0 <= self.process_id < self.num_processes:
+            raise ConfigError("process_id", f"must be in [0, {self.num_processes})")
+
+    @property
+    def enabled(self) -> bool:
+        if self.initialize is not None:
+            return self.initialize
+        return self.coordinator_address is not None or (self.num_processes or 1) > 1
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The training loop: length, batches, parallelism, precision, checkpoints, tracking."""
+
+    seed: int = field(0, help="Random seed: initialisation, data order and dropout.")
+    num_train_steps: int | None = field(None, help="Optimizer steps to run. Give this, num_epochs or train_tokens (default 1000 steps).")
+    num_epochs: float | None = field(None, help="Run length in passes over the training data, converted to steps from the data size.", semantic=True)
+    train_tokens: int | None = field(None, help="Run length as a token budget, converted to steps (rounded up).")
+    train_batch_size: int = field(32, help="Global batch size in sequences.", aliases=("batch_size",))
+    per_device_parallelism: int = field(
+        -1,
+        help="Sequences per device per micro-batch; -1 = the whole batch (no gradient accumulation). Fewer than batch/devices means gradient accumulation.",
+        semantic=False,
+        aliases=("per_device_train_parallelism",),
+    )
+    per_device_eval_parallelism: int = field(-1, help="Sequences per device per eval batch; -1 = same as training.", semantic=False, aliases=("eval_per_device_parallelism",))
+    mp: str = field("f32", help="Mixed precision, e.g. 'p=f32,c=bfloat16' (params f32, compute bf16) or 'f32'.")
+    steps_per_eval: int = field(1000, help="Evaluate on the validation sets every this many steps (and at the end).", semantic=False)
+    max_eval_batches: int | None = field(None, help="Cap on eval batches per validation set; None = all.", semantic=False)
+    log_every: int = field(10, help="Log metrics every this many steps.", semantic=False)
+    progress: bool = field(True, help="Show a progress bar with ETA when attached to a terminal.", semantic=False)
+    id: str | None = field(None, help="Run id; default derived from the run's fingerprint.", semantic=False)
+    log_dir: str = field("logs", help="Python logs go to <log_dir>/<run_id>.log.", semantic=False)
+    checkpointer: CheckpointerConfig = field(default_factory=CheckpointerConfig, help="Where and when to save checkpoints.", semantic=False)
+    tracker: tuple[TrackerConfig, ...] = field((), help="Trackers besides the always-on JSONL log: wandb, tensorboard (a mapping or a list).", semantic=False)
+    load_checkpoint: bool | None = field(None, help="Resume from the run's latest checkpoint: None = if one exists, true = must exist, false = never.", semantic=False)
+    load_checkpoint_path: str | None = field(None, help="Resume from the latest complete checkpoint found (recursively) under this path.", semantic=False)
+    initialize_from: str | None = field(None, help="Start a new run from the weights of this checkpoint (a step dir or a run dir).")
+    batch_axis: str = field("batch", help="Logical axis of the batch (sharded over the mesh's data axis).", semantic=False)
+    fsdp_axis: str | tuple[str, ...] | None = field("embed", help="Logical parameter axis (or axes) sharded over the data axis (FSDP/ZeRO-3); null = replicate parameters (plain data parallelism).", semantic=False)
+    tensor_parallel_axes: tuple[str, ...] | None = field(None, help="Logical axes sharded over the model axis; default ['mlp', 'heads', 'kv_heads', 'vocab'] when model_axis_size > 1.", semantic=False)
+    model_axis_size: int = field(1, help="Devices per tensor-parallel group (the mesh's model axis).", semantic=False)
+    axis_resources: dict[str, str | None] | None = field(None, help="Advanced: logical axis -> mesh axis ('data' | 'model'), for both parameters and compute.", semantic=False)
+    parameter_axis_resources: dict[str, str | None] | None = field(None, help="Advanced: logical -> mesh axis mapping for parameters at rest.", semantic=False)
+    compute_axis_resources: dict[str, str | None] | None = field(None, help="Advanced: logical -> mesh axis mapping during compute.", semantic=False)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig, help="Multi-host start-up.", semantic=False)
+
+    @classmethod
+    def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
+        tracker = data.get("tracker")
+        if isinstance(tracker, dict):
+            tracker = [tracker]
+        tracker = [dict(t) if isinstance(t, dict) else t for t in (tracker or [])]
+        for t in tracker:
+            # Levanter: wandb is the tracker when no type is given.
+            if isinstance(t, dict) and "type" not in t and ({"project", "entity", "tags"} & set(t)):
+                t["type"] = "wandb"
+        wandb = data.pop("wandb", None)
+        if wandb is not None:  # Levanter's `--trainer.wandb.project X`
+            if not isinstance(wandb, dict):
+                raise ConfigError("wandb", "expected a mapping of wandb settings (project, entity, name, id, ...)")
+            entry = next((t for t in tracker if isinstance(t, dict) and t.get("type") == "wandb"), None)
+            if entry is None:
+                entry = {"type": "wandb"}
+                tracker.append(entry)
+            entry.update(wandb)
+        if "tracker" in data or tracker:
+            data["tracker"] = tracker
+        return data
+
+    def validate(self) -> None:
+        lengths = [n for n in ("num_train_steps", "num_epochs", "train_tokens") if getattr(self, n) is not None]
+        if len(lengths) > 1:
+            raise ConfigError(lengths[1], f"give only one of num_train_steps, num_epochs, train_tokens (got {', '.join(lengths)})")
+        for name in ("num_train_steps", "train_tokens", "train_batch_size", "steps_per_eval", "log_every", "model_axis_size"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ConfigError(name, f"must be >= 1, got {v}")
+        if self.num_epochs is not None and self.num_epochs <= 0:
+            raise ConfigError("num_epochs", "must be > 0")
+        for name in ("per_device_parallelism", "per_device_eval_parallelism"):
+            v = getattr(self, name)
+            if v == 0 or v < -1:
+                raise ConfigError(name, f"must be -1 (whole batch) or >= 1, got {v}")
+        if self.per_device_parallelism > 0 and self.train_batch_size % self.per_device_parallelism:
+            raise ConfigError(
+                "train_batch_size",
+                f"{self.train_batch_size} is not divisible by per_device_parallelism={self.per_device_parallelism}",
+            )
+        try:
+            parse_mp(self.mp)
+        except ConfigError as e:
+            raise ConfigError("mp", e.message) from None
+        if self.max_eval_batches is not None and self.max_eval_batches < 1:
+            raise ConfigError("max_eval_batches", "must be >= 1 or null")
+        for name in ("axis_resources", "parameter_axis_resources", "compute_axis_resources"):
+            for logical, mesh_axis in (getattr(self, name) or {}).items():
+                if mesh_axis not in (None, "data", "model"):
+                    raise ConfigError(f"{name}.{logical}", f"mesh axis must be 'data', 'model' or null, got {mesh_axis!r}")
+
+    @property
+    def precision(self) -> Precision:
+        return parse_mp(self.mp)
+
+    def check_devices(self, num_devices: int) -> None:
+        """Errors for settings that cannot work on ``num_devices`` devices (raised before compute)."""
+        if num_devices % self.model_axis_size:
+            raise ConfigError(
+                "trainer.model_axis_size",
+                f"{self.model_axis_size} does not divide the {num_devices} devices; use a divisor of {num_devices}",
+            )
+        data = num_devices // self.model_axis_size
+        per = self.per_device_parallelism if self.per_device_parallelism > 0 else None
+        micro = (per or 1) * data
+        if per is None and self.train_batch_size % data:
+            raise ConfigError(
+                "trainer.train_batch_size",
+                f"{self.train_batch_size} is not divisible by the {data} data-parallel devices; use a multiple of {data}",
+            )
+        if per is not None and self.train_batch_size % micro:
+            raise ConfigError(
+                "trainer.train_batch_size",
+                f"{self.train_batch_size} is not divisible by per_device_parallelism ({per}) x data-parallel devices ({data}) = {micro}",
+            )
+
+    def resolve_num_steps(self, num_sequences: int | None, seq_len: int) -> int:
+        """Optimizer steps for this run, converting epochs / token budgets with the data size."""
+        if self.num_train_steps is not None:
+            return self.num_train_steps
+        if self.train_tokens is not None:
+            return -(-self.train_tokens // (self.train_batch_size * seq_len))
+        if self.num_epochs is not None:
+            if not num_sequences:
+                raise ConfigError("trainer.num_epochs", "needs the training data's size; build the cache first or give num_train_steps")
+            return max(1, round(self.num_epochs * num_sequences / self.train_batch_size))
+        return 1000

@@ -1,0 +1,218 @@
+"""``train(config)``: the recipe, read top to bottom.
+
+config -> mesh -> data -> step functions -> state (resume, initialize_from, or fresh) ->
+trackers -> loop (step, log, eval, checkpoint, hooks) -> final checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from lm_pipeline.batch import SequenceDataset, StepBatchSource
+from lm_pipeline.config import RunConfig, dump_config
+from lm_pipeline.fingerprint import fingerprint
+from lm_pipeline.schema import ConfigError, to_dict
+from lm_pipeline.train.checkpoint import Checkpointer, latest_checkpoint
+from lm_pipeline.train.sharding import initialize_distributed, make_mesh
+from lm_pipeline.train.trackers import build_tracker, setup_logging
+from lm_pipeline.train.trainer import (
+    Hook,
+    StepInfo,
+    TrainResult,
+    TrainState,
+    build_step_functions,
+    device_peak_flops,
+    evaluate_datasets,
+    put_batch,
+)
+
+log = logging.getLogger(__name__)
+
+TRAIN_CODE_VERSION = 1
+
+
+def run_id_for(cfg: RunConfig, data_fingerprint: str | None = None) -> str:
+    """A run's id: ``trainer.id`` if given, else the fingerprint of what determines its weights."""
+    if cfg.trainer.id:
+        return cfg.trainer.id
+    semantic = {"model": cfg.model, "trainer": cfg.trainer, "optimizer": cfg.optimizer}
+    return "run-" + fingerprint("train_ckpt", semantic, TRAIN_CODE_VERSION, {"data": data_fingerprint or ""})
+
+
+def _find_resume_path(cfg: RunConfig, run_dir: str) -> str | None:
+    tc = cfg.trainer
+    if tc.load_checkpoint is False:
+        return None
+    search = tc.load_checkpoint_path or run_dir
+    path = latest_checkpoint(search)
+    if path is None and (tc.load_checkpoint is True or tc.load_checkpoint_path):
+        raise ConfigError(
+            "trainer.load_checkpoint_path" if tc.load_checkpoint_path else "trainer.load_checkpoint",
+            f"no complete checkpoint found under {search}",
+        )
+    return path
+
+
+def train(
+    cfg: RunConfig,
+    *,
+    train_data: SequenceDataset,
+    vocab_size: int,
+    eval_data: Mapping[str, SequenceDataset] | None = None,
+    eval_bytes: Mapping[str, int] | None = None,
+    data_fingerprint: str | None = None,
+    run_dir: str | None = None,
+    extra_checkpoint_files: Mapping[str, str | bytes] | None = None,
+    hooks: Sequence[Hook] = (),
+) -> TrainResult:
+    """Train ``cfg.model`` on ``train_data``; resume automatically from the run's checkpoints.
+
+    Args:
+        train_data: packed training sequences (the token cache's layout, or any SequenceDataset).
+        vocab_size: the tokenizer's vocabulary size.
+        eval_data: named validation sets, evaluated every ``trainer.steps_per_eval`` steps.
+        run_dir: where checkpoints and logs go; default ``<checkpointer.base_path>/<run_id>``.
+        extra_checkpoint_files: files copied into every ``step-N`` dir (e.g. the tokenizer).
+        hooks: user callbacks run every N steps; a hook may return metrics to log.
+    """
+    tc = cfg.trainer
+    initialize_distributed(tc.distributed)
+    plan = make_mesh(tc)
+    seq_len = cfg.model.seq_len
+    if train_data.seq_len != seq_len:
+        raise ConfigError("model.seq_len", f"is {seq_len} but the training data is packed to {train_data.seq_len}")
+    num_steps = tc.resolve_num_steps(len(train_data), seq_len)
+    run_id = run_id_for(cfg, data_fingerprint)
+    run_dir = run_dir or f"{tc.checkpointer.base_path.rstrip('/')}/{run_id}"
+    setup_logging(tc.log_dir, run_id)
+    log.info("run %s: %d steps, batch %d x %d tokens, %d devices (data %d x model %d)",
+             run_id, num_steps, tc.train_batch_size, seq_len, jax.device_count(), plan.data_size, plan.model_size)
+
+    source = StepBatchSource(train_data, tc.train_batch_size, tc.seed,
+                             process_index=jax.process_index(), process_count=jax.process_count())
+    has_segments = source.batch(0).segment_ids is not None
+    fns = build_step_functions(cfg.model, cfg.optimizer, tc, vocab_size=vocab_size, num_train_steps=num_steps,
+                               plan=plan, has_segments=has_segments)
+    checkpointer = Checkpointer(tc.checkpointer, base_path_override=run_dir)
+
+    resume_path = _find_resume_path(cfg, run_dir)
+    with plan.mesh:
+        if resume_path is not None:
+            state = checkpointer.load(resume_path, fns.abstract_state)
+            log.info("resumed from %s at step %d", resume_path, int(state.step))
+        else:
+            state = fns.init(jax.random.key_data(jax.random.key(tc.seed)))
+            if tc.initialize_from:
+                state = _initialize_from(state, tc.initialize_from, checkpointer, fns)
+    start = int(state.step)
+
+    files = {"config.yaml": dump_config(cfg)}
+    files.update(extra_checkpoint_files or {})
+    hparams = to_dict(cfg)
+    tracker = build_tracker(tc.tracker, run_id=run_id, run_dir=run_dir, hparams=hparams,
+                            resume_step=start + 1 if resume_path else None)
+    flops_per_token = cfg.model.flops_per_token(vocab_size)
+    peak = device_peak_flops()
+    lr_at = cfg.optimizer.lr_scheduler(num_steps)
+    tokens_per_step = tc.train_batch_size * seq_len
+    eval_bs = (tc.per_device_eval_parallelism if tc.per_device_eval_parallelism > 0 else
+               max(1, tc.train_batch_size // plan.data_size)) * plan.data_size
+    result = TrainResult(state=state, final_step=start, resumed_from=resume_path)
+
+    def run_eval(state: TrainState, step: int) -> float | None:
+        if not eval_data:
+            return None
+        t0 = time.perf_counter()
+        with plan.mesh:
+            res = evaluate_datasets(fns, state, eval_data, plan, batch_size=eval_bs, max_batches=tc.max_eval_batches)
+        metrics: dict[str, float] = {}
+        for name, r in res.items():
+            metrics[f"eval/{name}/loss"] = r["loss"]
+            if eval_bytes and eval_bytes.get(name):
+                metrics[f"eval/{name}/bpb"] = r["loss"] * r["tokens"] / math.log(2) / eval_bytes[name]
+        total_tokens = sum(r["tokens"] for r in res.values())
+        metrics["eval/loss"] = sum(r["loss"] * r["tokens"] for r in res.values()) / max(total_tokens, 1.0)
+        metrics["eval/macro_loss"] = float(np.mean([r["loss"] for r in res.values()]))
+        metrics["eval/seconds"] = time.perf_counter() - t0
+        tracker.log(metrics, step=step)
+        result.eval_history.append({"step": step, **metrics})
+        log.info("eval at step %d: %s", step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.endswith("loss")))
+        return metrics["eval/loss"]
+
+    bar = tqdm(total=num_steps, initial=start, desc="train", unit="step", disable=None if tc.progress else True,
+               dynamic_ncols=True)
+    window_t0, window_steps = time.perf_counter(), 0
+    t_start = time.perf_counter()
+    pending: dict[str, Any] | None = None
+    eval_loss = None
+    try:
+        for step in range(start, num_steps):
+            toks, seg = put_batch(source.batch(step), plan)
+            with plan.mesh:
+                state, metrics = fns.train_step(state, toks, seg)
+            done = step + 1
+            window_steps += 1
+            bar.update(1)
+            if done % tc.log_every == 0 or done == num_steps:
+                host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                if not math.isfinite(host["train/loss"]) and not cfg.optimizer.skip_bad_steps:
+                    raise FloatingPointError(
+                        f"non-finite training loss at step {done}; lower optimizer.learning_rate, check the data, "
+                        "or set optimizer.skip_bad_steps: true to skip such steps"
+                    )
+                dt = time.perf_counter() - window_t0
+                tps = window_steps * tokens_per_step / max(dt, 1e-9)
+                host["optim/learning_rate"] = float(lr_at(step))
+                host["throughput/tokens_per_second"] = tps
+                host["throughput/step_seconds"] = dt / window_steps
+                if peak:
+                    host["throughput/mfu"] = flops_per_token * tps / (peak * jax.device_count())
+                tracker.log(host, step=done)
+                bar.set_postfix(loss=f"{host['train/loss']:.3f}", tok_s=f"{tps:,.0f}")
+                pending = host
+                window_t0, window_steps = time.perf_counter(), 0
+            if eval_data and (done % tc.steps_per_eval == 0 or done == num_steps):
+                eval_loss = run_eval(state, done)
+            for hook in hooks:
+                if done % hook.every == 0:
+                    extra = hook.fn(StepInfo(done, state, pending or {}))
+                    if extra:
+                        tracker.log(dict(extra), step=done)
+            path = checkpointer.maybe_save(done, state, force=done == num_steps, extra_files=files,
+                                           metadata={"run_id": run_id}, eval_loss=eval_loss)
+            if path:
+                result.checkpoints.append(path)
+            eval_loss = None
+        checkpointer.wait()
+    finally:
+        bar.close()
+    result.state = state
+    result.final_step = int(state.step)
+    result.metrics = dict(pending or {})
+    if result.eval_history:
+        result.metrics.update({k: v for k, v in result.eval_history[-1].items() if k != "step"})
+    result.train_seconds = time.perf_counter() - t_start
+    tracker.log_summary(result.metrics)
+    tracker.finish()
+    if result.metrics:
+        log.info("finished %s at step %d: %s", run_id, result.final_step, json.dumps(result.metrics))
+    return result
+
+
+def _initialize_from(state: TrainState, path: str, checkpointer: Checkpointer, fns) -> TrainState:
+    """New run, weights from another run's checkpoint; step and optimizer state start fresh."""
+    found = latest_checkpoint(path)
+    if found is None:
+        raise ConfigError("trainer.initialize_from", f"no complete checkpoint found under {path}")
+    loaded = checkpointer.load(found, fns.abstract_state)
+    log.info("initialized weights from %s", found)
+    return TrainState(state.step, loaded.model, state.opt_state, state.key)

@@ -1,0 +1,329 @@
+"""The trainer: a jitted, donated, sharded train step and the loop around it.
+
+The whole train state is one pytree (:class:`TrainState`), so a checkpoint is that pytree and
+resuming restores it exactly. The batch for step k comes from a step-indexed source, so a
+resumed run sees the same batches as an uninterrupted one. Parameters are sharded by the
+parameter axis mapping (FSDP / tensor parallel), batches by the compute mapping.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from lm_pipeline.batch import LmBatch, SequenceDataset, StepBatchSource
+from lm_pipeline.models.base import LmModel
+from lm_pipeline.train.config import Precision, TrainerConfig
+from lm_pipeline.train.optim import OptimizerConfig, skipped_steps, weight_decay_mask
+from lm_pipeline.train.sharding import MeshPlan
+
+log = logging.getLogger(__name__)
+
+
+class TrainState(eqx.Module):
+    """Everything a resumed run needs: step, parameters, optimizer state, PRNG key data."""
+
+    step: jax.Array
+    model: LmModel
+    opt_state: Any
+    key: jax.Array
+
+
+# --- loss -------------------------------------------------------------------------------------
+
+
+def next_token_loss_sums(logits: jax.Array, tokens: jax.Array, segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """(sum of next-token cross-entropy in nats, number of predicted tokens), in f32.
+
+    Position t predicts token t+1 of the same row; with segment ids, only within a document
+    and never into padding.
+    """
+    logits = logits[:, :-1].astype(jnp.float32)
+    targets = tokens[:, 1:]
+    if segment_ids is None:
+        mask = jnp.ones(targets.shape, jnp.float32)
+    else:
+        mask = ((segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)).astype(jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum((logz - picked) * mask), jnp.sum(mask)
+
+
+def cast_floating(tree: Any, dtype) -> Any:
+    """Cast the floating-point arrays of a pytree to ``dtype`` (others untouched)."""
+
+    def cast(x):
+        if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+def _is_array_like(x) -> bool:
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+
+
+# --- the step ---------------------------------------------------------------------------------
+
+
+@dataclass
+class StepFunctions:
+    """Compiled pieces bound to one model shape, mesh and optimizer."""
+
+    init: Callable[[jax.Array], TrainState]
+    train_step: Callable[[TrainState, jax.Array, jax.Array | None], tuple[TrainState, dict[str, jax.Array]]]
+    eval_step: Callable[[TrainState, jax.Array, jax.Array | None], tuple[jax.Array, jax.Array]]
+    state_shardings: Any
+    abstract_state: Any
+
+
+def build_step_functions(
+    model_cfg,
+    opt_cfg: OptimizerConfig,
+    trainer_cfg: TrainerConfig,
+    *,
+    vocab_size: int,
+    num_train_steps: int,
+    plan: MeshPlan,
+    has_segments: bool,
+) -> StepFunctions:
+    """Jitted init / train / eval functions with explicit shardings."""
+    precision: Precision = trainer_cfg.precision
+    batch_size = trainer_cfg.train_batch_size
+    if trainer_cfg.per_device_parallelism > 0:
+        micro = trainer_cfg.per_device_parallelism * plan.data_size
+    else:
+        micro = batch_size
+    accum = batch_size // micro
+    dropout_active = any(getattr(model_cfg, n, 0.0) > 0 for n in ("embed_pdrop", "resid_pdrop", "attn_pdrop"))
+
+    def make_model(key):
+        return model_cfg.build(vocab_size, key=key)
+
+    # Shapes and logical axes without allocating anything.
+    abstract_model = eqx.filter_eval_shape(make_model, jax.random.key(0))
+    model_arrays, model_static = eqx.partition(abstract_model, _is_array_like)
+    axes = abstract_model.param_axes()
+    param_shardings = plan.param_shardings(axes, model_arrays)
+    decay_mask = weight_decay_mask(model_arrays, axes)
+    tx = opt_cfg.build(num_train_steps, decay_mask)
+    replicated = plan.replicated()
+
+    def init_arrays(key_data):
+        key = jax.random.wrap_key_data(key_data)
+        init_key, state_key = jax.random.split(key)
+        model = make_model(init_key)
+        params = eqx.filter(model, eqx.is_array)
+        params = jax.lax.with_sharding_constraint(params, param_shardings)
+        opt_state = tx.init(params)
+        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, jax.random.key_data(state_key))
+
+    abstract_state = jax.eval_shape(init_arrays, jax.ShapeDtypeStruct((2,), jnp.uint32))
+
+    def opt_sharding(abstract_opt):
+        # Optimizer leaves shaped like parameters follow the parameters' sharding.
+        return optax.tree_map_params(
+            tx,
+            lambda _p, s: s,
+            abstract_opt,
+            param_shardings,
+            transform_non_params=lambda _: replicated,
+        )
+
+    state_shardings = TrainState(replicated, param_shardings, opt_sharding(abstract_state.opt_state), replicated)
+    abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, state_shardings
+    )
+
+    init = jax.jit(init_arrays, out_shardings=state_shardings)
+    batch_sharding = plan.batch_sharding()
+
+    def loss_sums(params, tokens, seg, key):
+        model = eqx.combine(cast_floating(params, precision.compute), model_static)
+        logits = model(tokens, seg, key=key, inference=not dropout_active)
+        return next_token_loss_sums(logits, tokens, seg)
+
+    def grad_sums(params, tokens, seg, key):
+        def f(p):
+            s, n = loss_sums(p, tokens, seg, key)
+            return s, n
+
+        (s, n), g = jax.value_and_grad(f, has_aux=True)(params)
+        return s, n, g
+
+    def train_step(state: TrainState, tokens, seg):
+        params = state.model
+        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
+        if accum == 1:
+            loss_sum, count, grads = grad_sums(params, tokens, seg, step_key)
+        else:
+            # Micro-batch i = rows i, i+accum, ...: each micro-batch stays spread over all
+            # data-parallel devices.
+            def split(x):
+                x = x.reshape(micro, accum, *x.shape[1:]).swapaxes(0, 1)
+                return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec(None, *batch_sharding.spec)))
+
+            mtoks = split(tokens)
+            mseg = split(seg) if seg is not None else None
+
+            def body(carry, i):
+                s_acc, n_acc, g_acc = carry
+                t = mtoks[i]
+                sg = mseg[i] if mseg is not None else None
+                s, n, g = grad_sums(params, t, sg, jax.random.fold_in(step_key, i))
+                g_acc = jax.tree.map(jnp.add, g_acc, g)
+                return (s_acc + s, n_acc + n, g_acc), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            (loss_sum, count, grads), _ = jax.lax.scan(
+                body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros), jnp.arange(accum)
+            )
+        count = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: (g / count).astype(jnp.float32), grads)
+        loss = loss_sum / count
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        updates, opt_state = tx.update(grads, state.opt_state, params, loss=loss)
+        new_params = optax.apply_updates(params, updates)
+        metrics = {
+            "train/loss": loss,
+            "optim/grad_norm": optax.global_norm(grads),
+            "optim/update_norm": optax.global_norm(updates),
+            "optim/skipped_steps": skipped_steps(opt_state),
+        }
+        return TrainState(state.step + 1, new_params, opt_state, state.key), metrics
+
+    seg_sharding = batch_sharding if has_segments else None
+    jit_train = jax.jit(
+        train_step,
+        in_shardings=(state_shardings, batch_sharding, seg_sharding),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=(0,),
+    )
+
+    def eval_step(state: TrainState, tokens, seg):
+        params = state.model
+        model = eqx.combine(cast_floating(params, precision.compute), model_static)
+        logits = model(tokens, seg, inference=True)
+        return next_token_loss_sums(logits, tokens, seg)
+
+    jit_eval = jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding, seg_sharding), out_shardings=(replicated, replicated))
+    return StepFunctions(init, jit_train, jit_eval, state_shardings, abstract_state)
+
+
+# --- moving batches onto devices --------------------------------------------------------------
+
+
+def put_batch(batch: LmBatch, plan: MeshPlan) -> tuple[jax.Array, jax.Array | None]:
+    """Place this process's slice of a batch onto the mesh (multi-host safe)."""
+    sharding = plan.batch_sharding()
+
+    def put(x):
+        if x is None:
+            return None
+        x = np.asarray(x, dtype=np.int32)
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_process_local_data(sharding, x)
+
+    return put(batch.tokens), put(batch.segment_ids)
+
+
+# --- evaluation -------------------------------------------------------------------------------
+
+
+def evaluate_datasets(
+    fns: StepFunctions,
+    state: TrainState,
+    datasets: Mapping[str, SequenceDataset],
+    plan: MeshPlan,
+    *,
+    batch_size: int,
+    max_batches: int | None = None,
+) -> dict[str, dict[str, float]]:
+    """Mean next-token loss per dataset over its rows in order: {name: {loss, tokens}}.
+
+    A final partial batch is skipped unless it is the only one, so every evaluated batch has
+    the same (compiled) shape.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for name, ds in datasets.items():
+        n = len(ds)
+        nb = max(1, n // batch_size)
+        if max_batches is not None:
+            nb = min(nb, max_batches)
+        total, count = 0.0, 0.0
+        for b in range(nb):
+            idx = np.arange(b * batch_size, (b + 1) * batch_size) % n
+            # Each process reads its own slice of the eval batch, like training.
+            per = batch_size // jax.process_count()
+            idx = idx[jax.process_index() * per : (jax.process_index() + 1) * per]
+            toks, seg = put_batch(ds.get_many(idx), plan)
+            s, c = fns.eval_step(state, toks, seg)
+            total += float(s)
+            count += float(c)
+        out[name] = {"loss": total / max(count, 1.0), "tokens": count}
+    return out
+
+
+# --- the loop ---------------------------------------------------------------------------------
+
+
+@dataclass
+class StepInfo:
+    """What hooks see after each step."""
+
+    step: int  # number of completed steps
+    state: TrainState
+    metrics: dict[str, Any]
+
+
+@dataclass
+class Hook:
+    fn: Callable[[StepInfo], Mapping[str, float] | None]
+    every: int = 1
+
+
+@dataclass
+class TrainResult:
+    state: TrainState
+    final_step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    eval_history: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+    resumed_from: str | None = None
+    train_seconds: float = 0.0
+
+
+PEAK_BF16_FLOPS = {  # dense bf16 datasheet peaks per device
+    "H100": 989e12,
+    "H200": 989e12,
+    "A100": 312e12,
+    "L4": 121e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5p": 459e12,
+}
+
+
+def device_peak_flops() -> float | None:
+    kind = jax.devices()[0].device_kind
+    for name, peak in PEAK_BF16_FLOPS.items():
+        if name.lower() in kind.lower():
+            return peak
+    env = os.environ.get("LM_PIPELINE_PEAK_FLOPS")
+    return float(env) if env else None
+
+
+def iter_steps(source: StepBatchSource, start: int, stop: int) -> Iterable[tuple[int, LmBatch]]:
+    for k in range(start, stop):
+        yield k, source.batch(k)

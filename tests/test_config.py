@@ -1,0 +1,128 @@
+"""Config loading: YAML + !include + dotted overrides, strict validation, Levanter aliases."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lm_pipeline.config import RunConfig, dump_config, load_config, parse_overrides
+from lm_pipeline.models import Gpt2Config, LlamaConfig
+from lm_pipeline.schema import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+    return p
+
+
+def test_defaults_load():
+    cfg = load_config()
+    assert isinstance(cfg, RunConfig)
+    assert isinstance(cfg.model, Gpt2Config)
+
+
+def test_include_relative_to_including_file(tmp_path):
+    write(tmp_path, "sub/model.yaml", "type: llama\nhidden_dim: 64\nnum_heads: 4\nnum_kv_heads: 2\nintermediate_dim: 128\nnum_layers: 2\nseq_len: 32\n")
+    main = write(tmp_path, "sub/run.yaml", "model: !include model.yaml\ntrainer:\n  num_train_steps: 7\n")
+    cfg = load_config(main)
+    assert isinstance(cfg.model, LlamaConfig)
+    assert cfg.model.num_kv_heads == 2
+    assert cfg.trainer.num_train_steps == 7
+
+
+def test_include_cycle_and_missing_file(tmp_path):
+    a = write(tmp_path, "a.yaml", "data: !include b.yaml\n")
+    write(tmp_path, "b.yaml", "x: !include a.yaml\n")
+    with pytest.raises(ConfigError, match="include cycle"):
+        load_config(a)
+    m = write(tmp_path, "m.yaml", "data: !include nope.yaml\n")
+    with pytest.raises(ConfigError, match="not found: .*nope.yaml"):
+        load_config(m)
+
+
+def test_overrides_parse_yaml_values():
+    pairs = parse_overrides(["--model.num_heads", "20", "--trainer.checkpointer.save_interval=20m", "--optimizer.learning_rate", "6e-4"])
+    assert pairs == [("model.num_heads", 20), ("trainer.checkpointer.save_interval", "20m"), ("optimizer.learning_rate", "6e-4")]
+    cfg = load_config(None, ["--model.num_heads", "4", "--model.hidden_dim", "64", "--trainer.num_train_steps", "10000",
+                             "--trainer.checkpointer.save_interval", "20m", "--optimizer.learning_rate", "6e-4"])
+    assert cfg.model.num_heads == 4 and cfg.trainer.num_train_steps == 10000
+    assert cfg.optimizer.learning_rate == pytest.approx(6e-4)
+
+
+def test_levanter_aliases():
+    cfg = load_config(None, [
+        "--trainer.batch_size", "16",
+        "--trainer.per_device_parallelism", "4",
+        "--trainer.eval_per_device_parallelism", "8",
+        "--trainer.wandb.project", "my_project",
+        "--trainer.wandb.name", "my_run",
+        "--trainer.wandb,group", "grp",
+    ])
+    assert cfg.trainer.train_batch_size == 16
+    assert cfg.trainer.per_device_parallelism == 4
+    assert cfg.trainer.per_device_eval_parallelism == 8
+    (wandb,) = cfg.trainer.tracker
+    assert (wandb.type, wandb.project, wandb.name, wandb.group) == ("wandb", "my_project", "my_run", "grp")
+
+
+def test_tracker_list_and_type_selection(tmp_path):
+    p = write(tmp_path, "r.yaml", "trainer:\n  tracker:\n    - type: tensorboard\n      logdir: tb\n    - type: wandb\n      project: p\n      mode: offline\n")
+    cfg = load_config(p)
+    assert [t.type for t in cfg.trainer.tracker] == ["tensorboard", "wandb"]
+
+
+@pytest.mark.parametrize(
+    "overrides, field, words",
+    [
+        (["--model.num_hedas", "4"], "model.num_hedas", "did you mean 'num_heads'"),
+        (["--model.num_heads", "four"], "model.num_heads", "integer"),
+        (["--model.hidden_dim", "100", "--model.num_heads", "3"], "model.hidden_dim", "divisible"),
+        (["--trainer.train_batch_size", "10", "--trainer.per_device_parallelism", "4"], "trainer.train_batch_size", "divisible"),
+        (["--model.type", "gtp2"], "model.type", "did you mean 'gpt2'"),
+        (["--trainer.mp", "p=f32,c=bfloat17"], "trainer.mp", "dtype"),
+        (["--trainer.checkpointer.save_interval", "20x"], "trainer.checkpointer.save_interval", ""),
+        (["--optimizer.lr_schedule", "cosin"], "optimizer.lr_schedule", "did you mean 'cosine'"),
+    ],
+)
+def test_bad_config_names_field(overrides, field, words):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, overrides)
+    assert exc.value.path == field, str(exc.value)
+    assert words in str(exc.value)
+
+
+def test_dump_roundtrip(tmp_path):
+    cfg = load_config(None, ["--model.type", "llama", "--model.hidden_dim", "64", "--model.num_heads", "4",
+                             "--model.num_kv_heads", "1", "--model.intermediate_dim", "96", "--trainer.wandb.project", "p"])
+    p = write(tmp_path, "dumped.yaml", dump_config(cfg))
+    assert load_config(p) == cfg
+
+
+def test_shipped_configs_load():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        load_config(path)
+
+
+def test_cli_bad_config_fails_fast(tmp_path):
+    """A bad config fails in well under 5 s, before any compute, naming the field."""
+    for args, field in [
+        (["--model.num_hedas", "4"], "model.num_hedas"),
+        (["--model.num_heads", "x"], "model.num_heads"),
+        (["--model.hidden_dim", "100", "--model.num_heads", "3"], "model.hidden_dim"),
+        (["--trainer.train_batch_size", "10", "--trainer.per_device_parallelism", "4"], "trainer.train_batch_size"),
+    ]:
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "lm_pipeline.cli", "train", "--config_path", str(ROOT / "configs/tiny_gpt2.yaml"), *args],
+            capture_output=True, text=True, cwd=tmp_path, timeout=60,
+        )
+        elapsed = time.perf_counter() - t0
+        assert proc.returncode == 2, proc.stderr
+        assert field in proc.stderr
+        assert elapsed < 5.0, f"{args}: took {elapsed:.1f}s"

@@ -1,0 +1,220 @@
+"""Record validation: planted defects under `fail` (clear, located errors) and `skip` (exact counts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+
+from lm_pipeline.data import validation as V
+from lm_pipeline.data.config import DataConfig
+from lm_pipeline.data.sources import iter_shard_texts, resolve_shards
+from lm_pipeline.data.validation import (
+    DataValidationError,
+    RawRecord,
+    RecordValidator,
+    ShardReport,
+    merge_reports,
+)
+
+GOOD = [json.dumps({"id": i, "text": f"valid document number {i}"}).encode() for i in range(4)]
+
+# defect name -> (the bad JSONL line, expected reason, expected message after "<file> line 3: ")
+DEFECTS = {
+    "bad_json": (
+        b'{"text": "unterminated',
+        "bad_json",
+        "invalid JSON: Unterminated string starting at (column 10)",
+    ),
+    "missing_key": (
+        b'{"id": 7, "body": "x"}',
+        "missing_key",
+        "key 'text' missing (keys: id, body); set data.text_key or fix the record",
+    ),
+    "not_string": (b'{"text": 42}', "not_string", "'text' is a number, not a string"),
+    "null": (b'{"text": null}', "not_string", "'text' is null, not a string"),
+    "empty": (b'{"text": "   \\n "}', "empty", "'text' is empty or only whitespace"),
+    "invalid_utf8": (
+        b'{"text": "caf\xe9 au lait"}',
+        "invalid_utf8",
+        "invalid UTF-8 (byte 0xe9 at column 14)",
+    ),
+    "not_object": (b'["text", "a list"]', "not_object", "expected a JSON object, got an array"),
+    "lone_surrogate": (
+        b'{"text": "bad \\ud800 escape"}',
+        "invalid_utf8",
+        "'text' is not valid UTF-8 text (lone surrogate at character 4)",
+    ),
+}
+
+
+def _jsonl(path, lines: list[bytes]) -> str:
+    path = os.fspath(path)
+    with open(path, "wb") as f:
+        f.write(b"\n".join(lines) + b"\n")
+    return path
+
+
+@pytest.mark.parametrize("defect", sorted(DEFECTS))
+def test_fail_names_file_line_and_problem(tmp_path, defect):
+    line, reason, message = DEFECTS[defect]
+    p = _jsonl(tmp_path / f"{defect}.jsonl", [GOOD[0], GOOD[1], line, GOOD[2]])
+    (shard,) = resolve_shards(DataConfig(train_urls=(p,)), "train")
+    with pytest.raises(DataValidationError) as info:
+        list(shard.iter_texts())
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert (err.source, err.location, err.reason) == (p, "line 3", reason)
+    assert str(err).startswith(f"{p} line 3: {message}")
+    if reason != "missing_key":
+        assert str(err).endswith(
+            "set data.on_invalid: skip to drop such records"
+        ) or "data.min_length" in str(err)
+    # the error survives a process boundary with its fields
+    again = pickle.loads(pickle.dumps(err))
+    assert (again.location, again.reason, str(again)) == (err.location, err.reason, str(err))
+
+
+def test_too_short_message(tmp_path):
+    p = _jsonl(tmp_path / "s.jsonl", [GOOD[0], b'{"text": "  ab  "}'])
+    with pytest.raises(
+        DataValidationError,
+        match=r"s\.jsonl line 2: 'text' has 2 characters after stripping, fewer than data.min_length = 5",
+    ):
+        list(iter_shard_texts(resolve_shards(DataConfig(train_urls=(p,), min_length=5), "train")))
+
+
+def _planted(tmp_path) -> tuple[str, list[str], dict[str, int]]:
+    """A corpus with every defect planted among valid lines; returns (path, valid texts, counts)."""
+    lines: list[bytes] = []
+    valid: list[str] = []
+    counts: dict[str, int] = {}
+    n = 0
+    for _rep in range(3):
+        for name in sorted(DEFECTS):
+            text = f"valid record {n}"
+            lines.append(json.dumps({"text": text}).encode())
+            valid.append(text)
+            n += 1
+            bad, reason, _ = DEFECTS[name]
+            lines.append(bad)
+            counts[reason] = counts.get(reason, 0) + 1
+        lines.append(b"")  # blank lines are not records
+    return _jsonl(tmp_path / "planted.jsonl", lines), valid, counts
+
+
+@pytest.mark.parametrize("chunk", [3, 4096])
+def test_skip_counts_every_reason_exactly(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(V, "CHUNK_RECORDS", chunk)  # also across chunk boundaries
+    p, valid, counts = _planted(tmp_path)
+    (shard,) = resolve_shards(DataConfig(train_urls=(p,), on_invalid="skip"), "train")
+    report = ShardReport(shard.name)
+    texts = list(shard.iter_texts(report))
+    assert texts == valid and len(texts) == 3 * len(DEFECTS)
+    assert (
+        report.skipped
+        == counts
+        == {"bad_json": 3, "missing_key": 3, "not_string": 6, "empty": 3, "invalid_utf8": 6, "not_object": 3}
+    )
+    assert report.records == len(valid) + sum(counts.values()) and report.valid == len(valid)
+    assert report.blank_lines == 3 and report.complete and shard.last_report is report
+    d = report.to_dict()
+    assert d["invalid"] == sum(counts.values()) and list(d["skipped"]) == [
+        r for r in V.REASONS if r in counts
+    ]
+    assert merge_reports([report, report]).skipped["not_string"] == 12
+    # under fail the first defect (lowest line) is the one reported, whatever the chunking
+    (strict,) = resolve_shards(DataConfig(train_urls=(p,)), "train")
+    with pytest.raises(DataValidationError, match=r"planted\.jsonl line 2: invalid JSON: "):
+        list(strict.iter_texts())
+
+
+def test_json_array_items_have_index_and_line(tmp_path):
+    p = tmp_path / "a.json"
+    p.write_bytes(
+        b'[\n {"text": "ok"},\n {"text": 3},\n {"body": "x"},\n {"text": "caf\xe9"},\n {"text": "fine"}\n]'
+    )
+    cfg = DataConfig(train_urls=(str(p),))
+    with pytest.raises(DataValidationError, match=r"a\.json item 1 \(line 3\): 'text' is a number"):
+        list(iter_shard_texts(resolve_shards(cfg, "train")))
+    (shard,) = resolve_shards(DataConfig(train_urls=(str(p),), on_invalid="skip"), "train")
+    assert list(shard.iter_texts()) == ["ok", "fine"]
+    assert shard.last_report.skipped == {"not_string": 1, "missing_key": 1, "invalid_utf8": 1}
+    # a syntax error between items ends the file and is counted once
+    p.write_bytes(b'[{"text": "ok"}, {"text": "two"} {"text": "lost"}]')
+    (shard,) = resolve_shards(DataConfig(train_urls=(str(p),), on_invalid="skip"), "train")
+    assert list(shard.iter_texts()) == ["ok", "two"] and shard.last_report.skipped == {"bad_json": 1}
+
+
+def test_parquet_rows(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = str(tmp_path / "d.parquet")
+    pq.write_table(pa.table({"text": ["good one", None, "", "good two"]}), p)
+    with pytest.raises(DataValidationError, match=r"d\.parquet row 1: 'text' is null, not a string"):
+        list(iter_shard_texts(resolve_shards(DataConfig(train_urls=(p,)), "train")))
+    (shard,) = resolve_shards(DataConfig(train_urls=(p,), on_invalid="skip"), "train")
+    assert list(shard.iter_texts()) == ["good one", "good two"]
+    assert shard.last_report.skipped == {"not_string": 1, "empty": 1}
+    with pytest.raises(
+        DataValidationError, match=r"row 0: key 'body' missing \(keys: text\); set data.text_key"
+    ):
+        list(iter_shard_texts(resolve_shards(DataConfig(train_urls=(p,), text_key="body"), "train")))
+
+
+def test_text_paragraph_with_bad_bytes(tmp_path):
+    p = tmp_path / "t.txt"
+    p.write_bytes(b"first para\n\nsecond \xff para\nmore\n\n   \n\nthird")
+    cfg = DataConfig(train_urls=(str(p),), text_unit="paragraph")
+    with pytest.raises(
+        DataValidationError, match=r"t\.txt line 3: invalid UTF-8 \(byte 0xff at line 3, column 8\)"
+    ):
+        list(iter_shard_texts(resolve_shards(cfg, "train")))
+    (shard,) = resolve_shards(
+        DataConfig(train_urls=(str(p),), text_unit="paragraph", on_invalid="skip"), "train"
+    )
+    assert list(shard.iter_texts()) == ["first para", "third"] and shard.last_report.skipped == {
+        "invalid_utf8": 1
+    }
+    # whole-file documents: the file is one record
+    with pytest.raises(DataValidationError, match=r"t\.txt line 3: invalid UTF-8"):
+        list(iter_shard_texts(resolve_shards(DataConfig(train_urls=(str(p),)), "train")))
+
+
+def test_min_length_zero_keeps_empty_texts():
+    v = RecordValidator("mem", "text", 0, "fail")
+    recs = [RawRecord("line 1", value=""), RawRecord("line 2", value=" x ")]
+    assert list(v.iter_valid(recs, ShardReport("mem"))) == ["", " x "]
+
+
+def test_pandera_schema_flags_each_row_once():
+    v = RecordValidator("mem", "text", 3, "skip")
+    chunk = [
+        RawRecord("r0", value="fine text"),
+        RawRecord("r1", "bad_json", "invalid JSON", False),
+        RawRecord("r2", present=False, keys=("a",)),
+        RawRecord("r3", value=["list"]),
+        RawRecord("r4", value="\ud800"),
+        RawRecord("r5", value=" \t"),
+        RawRecord("r6", value=" ab "),
+    ]
+    assert v.check_chunk(chunk) == {
+        1: "bad_json",
+        2: "missing_key",
+        3: "not_string",
+        4: "invalid_utf8",
+        5: "empty",
+        6: "too_short",
+    }
+    schema = V.record_schema(3)
+    assert {c.name for c in schema.checks} == {
+        "parse_error",
+        "missing_key",
+        "not_string",
+        "invalid_utf8",
+        "empty",
+        "too_short",
+    }
