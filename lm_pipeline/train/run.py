@@ -70,6 +70,7 @@ def train(
     eval_data: Mapping[str, SequenceDataset] | None = None,
     eval_bytes: Mapping[str, int] | None = None,
     data_fingerprint: str | None = None,
+    run_id: str | None = None,
     run_dir: str | None = None,
     extra_checkpoint_files: Mapping[str, str | bytes] | None = None,
     hooks: Sequence[Hook] = (),
@@ -80,6 +81,7 @@ def train(
         train_data: packed training sequences (the token cache's layout, or any SequenceDataset).
         vocab_size: the tokenizer's vocabulary size.
         eval_data: named validation sets, evaluated every ``trainer.steps_per_eval`` steps.
+        run_id: names the run (logs, trackers); default derived from the config's fingerprint.
         run_dir: where checkpoints and logs go; default ``<checkpointer.base_path>/<run_id>``.
         extra_checkpoint_files: files copied into every ``step-N`` dir (e.g. the tokenizer).
         hooks: user callbacks run every N steps; a hook may return metrics to log.
@@ -91,8 +93,8 @@ def train(
     if train_data.seq_len != seq_len:
         raise ConfigError("model.seq_len", f"is {seq_len} but the training data is packed to {train_data.seq_len}")
     num_steps = tc.resolve_num_steps(len(train_data), seq_len)
-    run_id = run_id_for(cfg, data_fingerprint)
-    run_dir = run_dir or f"{tc.checkpointer.base_path.rstrip('/')}/{run_id}"
+    run_id = run_id or run_id_for(cfg, data_fingerprint)
+    run_dir = run_dir or f"{(tc.checkpointer.base_path or 'checkpoints').rstrip('/')}/{run_id}"
     setup_logging(tc.log_dir, run_id)
     log.info("run %s: %d steps, batch %d x %d tokens, %d devices (data %d x model %d)",
              run_id, num_steps, tc.train_batch_size, seq_len, jax.device_count(), plan.data_size, plan.model_size)

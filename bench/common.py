@@ -1,0 +1,91 @@
+"""Helpers shared by the benchmarks: summary statistics, process counters, allocator set-up.
+
+Kept free of heavy imports (no JAX / torch) so a benchmark can use it before deciding to
+re-execute itself (see :func:`ensure_allocator`).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from lm_pipeline import launch  # noqa: E402  (light: stdlib only)
+
+_NO_TCMALLOC_MARKER = "_BENCH_NO_TCMALLOC_REEXEC"
+
+
+def ensure_allocator(use_tcmalloc: bool) -> str:
+    """Make the allocator match the request, re-executing this process if needed; returns a
+    one-line description for the output.
+
+    ``use_tcmalloc``: preload tcmalloc when the library exists (via
+    :func:`lm_pipeline.launch.maybe_reexec_with_tcmalloc`). Otherwise, if tcmalloc was
+    inherited through ``LD_PRELOAD``, re-execute without it (once), so ``--no-tcmalloc`` really
+    measures glibc malloc.
+    """
+    if use_tcmalloc:
+        launch.maybe_reexec_with_tcmalloc(sys.argv)
+        return launch.tcmalloc_status()
+    preload = os.environ.get("LD_PRELOAD", "")
+    if "tcmalloc" in preload and not os.environ.get(_NO_TCMALLOC_MARKER):
+        env = dict(os.environ)
+        kept = [p for p in preload.replace(":", " ").split() if "tcmalloc" not in p]
+        if kept:
+            env["LD_PRELOAD"] = " ".join(kept)
+        else:
+            env.pop("LD_PRELOAD", None)
+        env[_NO_TCMALLOC_MARKER] = "1"
+        env[launch.OPT_OUT_ENV] = "1"
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    if launch.tcmalloc_loaded():
+        return "tcmalloc loaded (could not remove it)"
+    return "glibc malloc (--no-tcmalloc)"
+
+
+@dataclass
+class Counters:
+    """Wall time, CPU time (user, system) and minor page faults of this process."""
+
+    wall: float
+    user: float
+    sys: float
+    minflt: int
+
+    @classmethod
+    def now(cls) -> Counters:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return cls(time.perf_counter(), r.ru_utime, r.ru_stime, r.ru_minflt)
+
+    def __sub__(self, other: Counters) -> Counters:
+        return Counters(self.wall - other.wall, self.user - other.user, self.sys - other.sys, self.minflt - other.minflt)
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    """median, min, max and the interquartile range (q1, q3) of ``values``."""
+    xs = sorted(values)
+    if len(xs) >= 2:
+        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    else:
+        q1 = q3 = xs[0]
+    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "q1": q1, "q3": q3, "n": len(xs)}
+
+
+def loadavg() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x / 1e3:,.1f}k" if x >= 1e4 else f"{x:,.0f}"

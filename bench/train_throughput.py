@@ -1,0 +1,349 @@
+"""Train-step throughput on CPU: this trainer's jitted step vs Hugging Face GPT-2 in eager PyTorch.
+
+Both sides train the same GPT-2 (pre-norm, learned positions, tanh GELU, tied LM head, no
+dropout, no gradient checkpointing: HF's default) on the same random token batches with the
+same AdamW (lr 3e-4 constant, betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices only,
+not on embeddings/biases/norms; global-norm gradient clipping at 1.0), f32 parameters:
+
+* ``jax_f32`` / ``jax_bf16``: :func:`lm_pipeline.train.trainer.build_step_functions`'s
+  ``train_step`` (jitted, donated state), ``trainer.mp: f32`` and ``p=f32,c=bfloat16``; each
+  step's batch goes through :func:`put_batch` as in the training loop.
+* ``torch_f32`` / ``torch_bf16``: ``transformers.GPT2LMHeadModel`` (SDPA attention) with
+  ``loss.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW`` (foreach), eager; bf16 is
+  ``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward and loss.
+
+Shapes (vocab 8192 for both)::
+
+    tiny:   4 layers, 4 heads, width 128, context 64,  batch 12
+    medium: 6 layers, 6 heads, width 384, context 256, batch 8
+
+Method: one process; per shape, every variant is built, compiled and warmed up, then timed
+windows run round-robin (the order rotates every round, with a short pause between windows
+so one framework's spinning worker threads do not eat into the next one's window). Reported:
+the median tokens/s over the windows with min/max and IQR; each ratio is a ratio of medians,
+with the range of the per-round ratios beside it. Threads: torch uses all cores
+(``torch.set_num_threads``), XLA's CPU client uses all cores by default.
+
+tcmalloc: when the library exists and ``LD_PRELOAD`` is not set, the script re-executes itself
+with tcmalloc preloaded (both frameworks then use it); ``--no-tcmalloc`` measures glibc malloc.
+
+    python bench/train_throughput.py [--shapes tiny,medium] [--windows 7] [--quick] [--no-tcmalloc]
+
+The last line is ``RESULT {json}``: ``ratio`` is the smallest of the equal-precision ratios
+(JAX f32 / torch f32 and JAX bf16 / torch bf16-autocast, per shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Counters, ensure_allocator, fmt_rate, loadavg, summarize  # noqa: E402
+
+VOCAB = 8192
+LR, BETAS, EPS, WD, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    heads: int
+    width: int
+    ctx: int
+    batch: int
+
+
+SHAPES = {
+    "tiny": Shape(layers=4, heads=4, width=128, ctx=64, batch=12),
+    "medium": Shape(layers=6, heads=6, width=384, ctx=256, batch=8),
+}
+VARIANTS = ("jax_f32", "torch_f32", "jax_bf16", "torch_bf16")
+
+
+def token_batches(shape: Shape, n: int = 4, seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, (shape.batch, shape.ctx), dtype=np.int32) for _ in range(n)]
+
+
+# --- JAX: the project's trainer ---------------------------------------------------------------
+
+
+class JaxRunner:
+    def __init__(self, shape: Shape, mp: str, extra: dict | None = None):
+        import jax
+
+        from lm_pipeline.batch import LmBatch
+        from lm_pipeline.config import load_config
+        from lm_pipeline.train.sharding import make_mesh
+        from lm_pipeline.train.trainer import build_step_functions, put_batch
+
+        overrides = {
+            "model.type": "gpt2", "model.seq_len": shape.ctx, "model.hidden_dim": shape.width,
+            "model.num_layers": shape.layers, "model.num_heads": shape.heads,
+            "model.gradient_checkpointing": False,
+            "trainer.train_batch_size": shape.batch, "trainer.mp": mp,
+            "optimizer.learning_rate": LR, "optimizer.beta1": BETAS[0], "optimizer.beta2": BETAS[1],
+            "optimizer.epsilon": EPS, "optimizer.weight_decay": WD, "optimizer.max_grad_norm": CLIP,
+            "optimizer.lr_schedule": "constant", "optimizer.warmup": 0,
+            **(extra or {}),
+        }
+        cfg = load_config(None, overrides)
+        self.plan = make_mesh(cfg.trainer, jax.devices()[:1])
+        t0 = time.perf_counter()
+        self.fns = build_step_functions(
+            cfg.model, cfg.optimizer, cfg.trainer, vocab_size=VOCAB, num_train_steps=10**6,
+            plan=self.plan, has_segments=False,
+        )
+        self.state = self.fns.init(jax.random.key_data(jax.random.key(0)))
+        jax.block_until_ready(self.state)
+        self.init_s = time.perf_counter() - t0
+        self.batches = [LmBatch(t) for t in token_batches(shape)]
+        self._put = put_batch
+        self._jax = jax
+        self.i = 0
+        self.loss = float("nan")
+
+    def run(self, steps: int) -> None:
+        metrics = None
+        for _ in range(steps):
+            tokens, seg = self._put(self.batches[self.i % len(self.batches)], self.plan)
+            self.state, metrics = self.fns.train_step(self.state, tokens, seg)
+            self.i += 1
+        self.loss = float(metrics["train/loss"])  # waits for the last step
+        self._jax.block_until_ready(self.state)
+
+
+# --- PyTorch: Hugging Face GPT-2 ----------------------------------------------------------------
+
+
+class TorchRunner:
+    def __init__(self, shape: Shape, bf16: bool):
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        cfg = GPT2Config(
+            vocab_size=VOCAB, n_positions=shape.ctx, n_embd=shape.width, n_layer=shape.layers,
+            n_head=shape.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            activation_function="gelu_new", layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=0,
+        )
+        self.model = GPT2LMHeadModel(cfg).train()
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            (decay if p.ndim >= 2 and "wte" not in name and "wpe" not in name else no_decay).append(p)
+        self.params = [p for p in self.model.parameters()]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=LR, betas=BETAS, eps=EPS, foreach=True,
+        )
+        self.batches = [torch.from_numpy(t.astype("int64")) for t in token_batches(shape)]
+        self.bf16 = bf16
+        self.torch = torch
+        self.i = 0
+        self.loss = float("nan")
+        self.init_s = 0.0
+
+    def run(self, steps: int) -> None:
+        torch = self.torch
+        loss = None
+        for _ in range(steps):
+            x = self.batches[self.i % len(self.batches)]
+            if self.bf16:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = self.model(input_ids=x, labels=x).loss
+            else:
+                loss = self.model(input_ids=x, labels=x).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, CLIP)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.i += 1
+        self.loss = float(loss)
+
+
+# --- driver -----------------------------------------------------------------------------------
+
+
+def make_runner(name: str, shape: Shape):
+    if name == "jax_f32":
+        return JaxRunner(shape, "f32")
+    if name == "jax_bf16":
+        return JaxRunner(shape, "p=f32,c=bfloat16")
+    if name == "torch_f32":
+        return TorchRunner(shape, bf16=False)
+    if name == "torch_bf16":
+        return TorchRunner(shape, bf16=True)
+    raise ValueError(name)
+
+
+def bench_shape(shape_name: str, args) -> dict:
+    shape = SHAPES[shape_name]
+    tokens_per_step = shape.batch * shape.ctx
+    runners, first_step, steps = {}, {}, {}
+    for name in VARIANTS:
+        r = make_runner(name, shape)
+        t0 = time.perf_counter()
+        r.run(1)  # JAX: trace + compile + one step; torch: first step
+        first_step[name] = time.perf_counter() - t0
+        runners[name] = r
+    # Warm-up and calibration: a few steps each, then steps per window for ~window_s seconds.
+    for name, r in runners.items():
+        r.run(args.warmup_steps)
+        t0 = time.perf_counter()
+        r.run(args.warmup_steps)
+        per_step = (time.perf_counter() - t0) / args.warmup_steps
+        steps[name] = max(2, round(args.window_s / per_step))
+    rates = {n: [] for n in VARIANTS}
+    cpu = {n: [] for n in VARIANTS}
+    loads = []
+    for w in range(args.windows):
+        order = VARIANTS[w % len(VARIANTS):] + VARIANTS[: w % len(VARIANTS)]
+        loads.append(loadavg())
+        for name in order:
+            time.sleep(args.pause)
+            c0 = Counters.now()
+            runners[name].run(steps[name])
+            d = Counters.now() - c0
+            rates[name].append(steps[name] * tokens_per_step / d.wall)
+            cpu[name].append((d.user / d.wall, d.sys / d.wall, d.minflt / steps[name]))
+        if args.verbose:
+            print(f"  [{shape_name} window {w + 1}/{args.windows}, load {loads[-1]:.1f}] "
+                  + "  ".join(f"{n} {fmt_rate(rates[n][-1])}" for n in VARIANTS), flush=True)
+    out = {
+        "shape": vars_shape(shape),
+        "tokens_per_s": {n: summarize(v) for n, v in rates.items()},
+        "rounds": rates,
+        "steps_per_window": steps,
+        "first_step_s": first_step,
+        # JAX compile time: the first call (trace + compile + one step) minus one median step.
+        "compile_s": {
+            n: max(0.0, first_step[n] - tokens_per_step / summarize(rates[n])["median"])
+            for n in VARIANTS if n.startswith("jax")
+        },
+        "cpu": {n: {"user": med([c[0] for c in v]), "sys": med([c[1] for c in v]), "minflt_per_step": med([c[2] for c in v])}
+                for n, v in cpu.items()},
+        "final_loss": {n: r.loss for n, r in runners.items()},
+        "load": [min(loads), max(loads)],
+    }
+    del runners
+    return out
+
+
+def med(xs):
+    import statistics
+
+    return statistics.median(xs)
+
+
+def vars_shape(s: Shape) -> dict:
+    return {"layers": s.layers, "heads": s.heads, "width": s.width, "ctx": s.ctx, "batch": s.batch, "vocab": VOCAB}
+
+
+PAIRS = {  # ratio name -> (numerator, denominator)
+    "f32": ("jax_f32", "torch_f32"),
+    "bf16": ("jax_bf16", "torch_bf16"),
+    "bf16_vs_torch_f32": ("jax_bf16", "torch_f32"),
+}
+
+
+def ratios(res: dict) -> dict:
+    out = {}
+    for key, (a, b) in PAIRS.items():
+        ra, rb = res["rounds"][a], res["rounds"][b]
+        per_round = [x / y for x, y in zip(ra, rb, strict=True)]
+        out[key] = {
+            "ratio": res["tokens_per_s"][a]["median"] / res["tokens_per_s"][b]["median"],
+            "round_min": min(per_round),
+            "round_max": max(per_round),
+        }
+    return out
+
+
+def print_table(results: dict, rat: dict) -> None:
+    print()
+    print(f"{'shape':<8} {'variant':<11} {'tok/s median':>13} {'min':>9} {'max':>9} {'IQR':>19} "
+          f"{'steps/win':>9} {'user':>5} {'sys':>5} {'faults/step':>11} {'compile s':>9}")
+    for shape_name, res in results.items():
+        for n in VARIANTS:
+            s = res["tokens_per_s"][n]
+            c = res["cpu"][n]
+            comp = res["compile_s"].get(n)
+            print(f"{shape_name:<8} {n:<11} {fmt_rate(s['median']):>13} {fmt_rate(s['min']):>9} {fmt_rate(s['max']):>9} "
+                  f"{fmt_rate(s['q1']) + '-' + fmt_rate(s['q3']):>19} {res['steps_per_window'][n]:>9} "
+                  f"{c['user']:>5.2f} {c['sys']:>5.2f} {c['minflt_per_step']:>11.0f} "
+                  f"{'' if comp is None else f'{comp:.1f}':>9}")
+    print()
+    print(f"{'shape':<8} {'ratio':<34} {'median':>7} {'per-round range':>17}")
+    labels = {"f32": "JAX f32 / torch f32", "bf16": "JAX bf16 / torch bf16-autocast",
+              "bf16_vs_torch_f32": "JAX bf16 / torch f32"}
+    for shape_name, rs in rat.items():
+        for key, r in rs.items():
+            print(f"{shape_name:<8} {labels[key]:<34} {r['ratio']:>7.2f} {r['round_min']:>8.2f}-{r['round_max']:<8.2f}")
+    print()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="tiny,medium", help="comma-separated: tiny, medium")
+    p.add_argument("--windows", type=int, default=7, help="timed windows per variant (>= 5 recommended)")
+    p.add_argument("--window-s", type=float, default=None, help="target seconds per window (default 2, --quick 0.6)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="warm-up steps per variant (default 5, --quick 3)")
+    p.add_argument("--pause", type=float, default=0.2, help="seconds of idle between windows")
+    p.add_argument("--quick", action="store_true", help="short windows (a smoke test; noisier)")
+    p.add_argument("--no-tcmalloc", action="store_true", help="do not preload tcmalloc (glibc malloc)")
+    p.add_argument("--verbose", action="store_true", help="print every window")
+    args = p.parse_args(argv)
+    allocator = ensure_allocator(not args.no_tcmalloc)
+    if args.window_s is None:
+        args.window_s = 0.6 if args.quick else 2.0
+    if args.warmup_steps is None:
+        args.warmup_steps = 3 if args.quick else 5
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    for s in shapes:
+        if s not in SHAPES:
+            p.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+
+    import jax
+    import torch
+
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    print(f"allocator: {allocator}")
+    print(f"jax {jax.__version__} ({jax.devices()[0].platform}, {jax.device_count()} device), torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads), {threads} cores, load {loadavg():.1f}")
+    print(f"vocab {VOCAB}; windows {args.windows} x ~{args.window_s}s per variant, alternated")
+    results, rat = {}, {}
+    for s in shapes:
+        sh = SHAPES[s]
+        print(f"{s}: {sh.layers} layers, {sh.heads} heads, width {sh.width}, context {sh.ctx}, batch {sh.batch}", flush=True)
+        results[s] = bench_shape(s, args)
+        rat[s] = ratios(results[s])
+    print_table(results, rat)
+    equal = {f"{s}_{k}": rat[s][k]["ratio"] for s in shapes for k in ("f32", "bf16")}
+    result = {
+        "ratio": round(min(equal.values()), 4),
+        **{k: round(v, 4) for k, v in equal.items()},
+        **{f"{s}_bf16_vs_torch_f32": round(rat[s]["bf16_vs_torch_f32"]["ratio"], 4) for s in shapes},
+        "ratio_round_range": {f"{s}_{k}": [round(rat[s][k]["round_min"], 3), round(rat[s][k]["round_max"], 3)] for s in shapes for k in PAIRS},
+        "tokens_per_s": {s: {n: {k: round(v, 1) for k, v in results[s]["tokens_per_s"][n].items()} for n in VARIANTS} for s in shapes},
+        "compile_s": {s: {n: round(v, 2) for n, v in results[s]["compile_s"].items()} for s in shapes},
+        "tcmalloc": "tcmalloc" in allocator and "not" not in allocator and "disabled" not in allocator,
+        "vocab": VOCAB,
+        "threads": threads,
+        "windows": args.windows,
+        "load": {s: results[s]["load"] for s in shapes},
+        "final_loss": {s: {n: round(v, 4) for n, v in results[s]["final_loss"].items()} for s in shapes},
+    }
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
