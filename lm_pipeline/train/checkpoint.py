@@ -142,9 +142,10 @@ def _default_keep() -> tuple[KeepPolicy, ...]:
 class CheckpointerConfig:
     """Where and when train-state checkpoints are written, and which ones are kept."""
 
-    base_path: str = field(
-        "checkpoints",
-        help="Directory or URL (gs://, s3://, ...) under which step-<N>/ checkpoint dirs are written.",
+    base_path: str | None = field(
+        None,
+        help="Directory or URL (gs://, s3://, ...) holding runs; a run's step-<N>/ dirs go to <base_path>/<run id>. "
+        "null = the run's address in the artifact store (<store.root>/train_ckpt/<fingerprint>).",
         semantic=False,
     )
     save_interval: str = field(
@@ -659,7 +660,10 @@ class Checkpointer:
     ):
         config.validate()
         self.config = config
-        self.base_path = _norm(base_path_override if base_path_override is not None else config.base_path)
+        base = base_path_override if base_path_override is not None else config.base_path
+        if base is None:
+            raise ValueError("Checkpointer needs a directory: set checkpointer.base_path or pass base_path_override")
+        self.base_path = _norm(base)
         self._clock = clock
         self._interval = config.save_interval_seconds
         self._async = async_save

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from lm_pipeline.batch import SequenceDataset, StepBatchSource
 from lm_pipeline.config import RunConfig, dump_config
+from lm_pipeline.data.loader import Prefetcher
 from lm_pipeline.fingerprint import fingerprint
 from lm_pipeline.schema import ConfigError, to_dict
 from lm_pipeline.train.checkpoint import Checkpointer, latest_checkpoint
@@ -96,6 +97,7 @@ def train(
     run_id = run_id or run_id_for(cfg, data_fingerprint)
     run_dir = run_dir or f"{(tc.checkpointer.base_path or 'checkpoints').rstrip('/')}/{run_id}"
     setup_logging(tc.log_dir, run_id)
+    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every internal step at INFO
     log.info("run %s: %d steps, batch %d x %d tokens, %d devices (data %d x model %d)",
              run_id, num_steps, tc.train_batch_size, seq_len, jax.device_count(), plan.data_size, plan.model_size)
 
@@ -156,9 +158,10 @@ def train(
     t_start = time.perf_counter()
     pending: dict[str, Any] | None = None
     eval_loss = None
+    # Batches are read and placed on devices ahead of the step, on a background thread.
+    batches = Prefetcher(source, start, num_steps=num_steps - start, depth=2, put=lambda b: put_batch(b, plan))
     try:
-        for step in range(start, num_steps):
-            toks, seg = put_batch(source.batch(step), plan)
+        for step, (toks, seg) in batches:
             with plan.mesh:
                 state, metrics = fns.train_step(state, toks, seg)
             done = step + 1
@@ -196,6 +199,7 @@ def train(
             eval_loss = None
         checkpointer.wait()
     finally:
+        batches.close()
         bar.close()
     result.state = state
     result.final_step = int(state.step)

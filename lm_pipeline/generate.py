@@ -1,0 +1,290 @@
+"""Text generation with the KV cache: one jitted program per (model, prompt shape, settings).
+
+:func:`generate` runs the prompt through the model once (the *prefill*, filling the key/value
+cache), then a ``lax.while_loop`` of single-token decode steps with static shapes: the cache is
+allocated for ``prompt + max_new_tokens`` positions up front and each step writes one position.
+The whole loop is one XLA program, so there is no per-token Python or dispatch overhead. The
+loop ends early once every row has produced ``eos_id``.
+
+Layer unrolling (``unroll_layers``, default on for GPT-2 and Llama). The models keep their blocks
+stacked (``[layers, ...]`` arrays) and ``decode`` scans over them; inside the token loop XLA (on
+CPU at least) then copies every layer's weights out of the stacked arrays at every step, which
+roughly triples the memory traffic of batch-1 decoding. Here the stacked weights are split into
+per-layer arrays once, before the token loop, and the same blocks (the models' own ``Gpt2Block``
+/ ``LlamaBlock``) are applied layer by layer with one key/value buffer per layer. The numbers
+are those of ``model.decode`` (tested); other model families always use their ``decode``.
+
+Token selection: greedy (argmax) when ``temperature == 0``; otherwise sampling from
+``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens and to the
+smallest set whose probability reaches ``top_p`` (nucleus), in that order, as ``transformers``
+applies them. Sampling is reproducible: step i uses ``fold_in(PRNGKey(seed), i)``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lm_pipeline.models.base import LmModel
+from lm_pipeline.models.gpt2 import Gpt2Model
+from lm_pipeline.models.layers import decode_mask, rotary_cos_sin
+from lm_pipeline.models.llama import LlamaModel
+
+__all__ = ["generate", "generate_text", "select_tokens"]
+
+
+def select_tokens(
+    logits: jax.Array,
+    key: jax.Array | None,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    vocab_size: int | None = None,
+) -> jax.Array:
+    """logits [B, V] -> int32 [B]: greedy, or sampled with temperature / top-k / top-p.
+
+    ``vocab_size``: only ids below it can be chosen (a model vocabulary padded beyond the
+    tokenizer's never emits the padding ids).
+    """
+    logits = logits.astype(jnp.float32)
+    v = logits.shape[-1]
+    neg = jnp.float32(-jnp.inf)
+    if vocab_size is not None and vocab_size < v:
+        logits = jnp.where(jnp.arange(v) < vocab_size, logits, neg)
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / jnp.float32(temperature)
+    if top_k is not None and 0 < top_k < v:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, neg, logits)
+    if top_p is not None and top_p < 1.0:
+        desc = -jnp.sort(-logits, axis=-1)
+        probs = jax.nn.softmax(desc, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+        kept = jnp.maximum(jnp.sum(before < top_p, axis=-1, keepdims=True), 1)
+        threshold = jnp.take_along_axis(desc, kept - 1, axis=-1)
+        logits = jnp.where(logits < threshold, neg, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _layer_blocks(model: LmModel) -> list[Any]:
+    """The stacked blocks of ``model`` as a list of per-layer blocks (separate arrays)."""
+    params, static = eqx.partition(model.blocks, eqx.is_array)
+    n = model.config.num_layers
+    return [eqx.combine(jax.tree.map(lambda x, i=i: x[i], params), static) for i in range(n)]
+
+
+def _unrolled_decoder(model: LmModel, batch: int, max_len: int, dtype: Any):
+    """(empty cache, decode) like ``model.init_cache`` / ``model.decode``, layers unrolled over
+    per-layer weights and per-layer cache buffers (see the module docstring)."""
+    cfg = model.config
+    blocks = _layer_blocks(model)
+    dtype = model.token_embeddings.dtype if dtype is None else dtype
+    if isinstance(model, Gpt2Model):
+        heads, head_dim = cfg.num_heads, cfg.head_dim
+    else:
+        heads, head_dim = cfg.num_kv_heads, cfg.head_size
+    shape = (batch, max_len, heads, head_dim)
+    cache = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in blocks]
+
+    def decode(tokens, cache, position):
+        s = tokens.shape[1]
+        mask = decode_mask(position, s, max_len)
+        new = []
+        if isinstance(model, Gpt2Model):  # as Gpt2Model.decode
+            pos_emb = jax.lax.dynamic_slice_in_dim(model.position_embeddings, position, s)
+            x = model.token_embeddings[tokens] + pos_emb[None]
+            for i, block in enumerate(blocks):
+                x, kv = block(x, cfg, mask, jnp.int32(i), None, cache[i], position)
+                new.append(kv)
+        else:  # as LlamaModel.decode
+            rope = rotary_cos_sin((position + jnp.arange(s))[None], cfg.head_size, cfg.rope_theta)
+            x = model.token_embeddings[tokens]
+            for i, block in enumerate(blocks):
+                x, kv = block(x, cfg, mask, rope, cache[i], position)
+                new.append(kv)
+        return model._logits(x), new
+
+    return cache, decode
+
+
+@eqx.filter_jit
+def _generate(
+    model: LmModel,
+    prompt: jax.Array,
+    key: jax.Array,
+    max_new: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    eos_id: int | None,
+    pad_id: int,
+    vocab_size: int | None,
+    cache_dtype: Any,
+    unroll_layers: bool,
+) -> jax.Array:
+    b, p = prompt.shape
+
+    def select(logits, i):
+        return select_tokens(logits, jax.random.fold_in(key, i), temperature=temperature, top_k=top_k,
+                             top_p=top_p, vocab_size=vocab_size)
+
+    # Positions used: 0 .. p + max_new - 2 (the last token is chosen, never fed back).
+    max_len = p + max_new - 1
+    if unroll_layers:
+        cache, decode = _unrolled_decoder(model, b, max_len, cache_dtype)
+    else:
+        cache, decode = model.init_cache(b, max_len, cache_dtype), model.decode
+    logits, cache = decode(prompt, cache, jnp.int32(0))
+    tok = select(logits[:, -1], 0)
+    out = jnp.full((b, max_new), pad_id, jnp.int32)
+    done = jnp.zeros((b,), bool)
+
+    def emit(out, done, tok, i):
+        tok = jnp.where(done, pad_id, tok)
+        out = jax.lax.dynamic_update_slice(out, tok[:, None], (jnp.int32(0), i))
+        if eos_id is not None:
+            done = done | (tok == eos_id)
+        return out, done, tok
+
+    def cond(carry):
+        i, _, _, _, done = carry
+        return (i < max_new - 1) & ~jnp.all(done)
+
+    def body(carry):
+        i, tok, cache, out, done = carry
+        out, done, tok = emit(out, done, tok, i)
+        logits, cache = decode(tok[:, None], cache, p + i)
+        return i + 1, select(logits[:, 0], i + 1), cache, out, done
+
+    i, tok, cache, out, done = jax.lax.while_loop(cond, body, (jnp.int32(0), tok, cache, out, done))
+    out, _, _ = emit(out, done, tok, i)
+    return jnp.concatenate([prompt.astype(jnp.int32), out], axis=1)
+
+
+def generate(
+    model: LmModel,
+    prompt_ids: Any,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+    vocab_size: int | None = None,
+    dtype: Any = None,
+    unroll_layers: bool | None = None,
+) -> np.ndarray:
+    """Continue ``prompt_ids`` by ``max_new_tokens`` tokens; returns prompt + continuation.
+
+    Args:
+        model: any :class:`LmModel` with ``init_cache`` / ``decode``.
+        prompt_ids: int [P] or [B, P] (rows of equal length, at least one token).
+        temperature: 0 = greedy; otherwise sample (with ``top_k`` / ``top_p`` if given) using
+            ``seed``.
+        eos_id: a row that emits it is finished: its later positions hold ``pad_id`` (default
+            ``eos_id``); the loop stops once all rows are finished.
+        vocab_size: never choose ids >= vocab_size (padded model vocabularies).
+        dtype: cast the parameters (and the cache) first, e.g. ``"bfloat16"``.
+        unroll_layers: per-layer weights and caches (see the module docstring); None = for
+            GPT-2 and Llama models; False = always ``model.decode``.
+
+    Returns int32 numpy [B, P + max_new_tokens] (or [P + max_new_tokens] for a 1-D prompt).
+    The prompt plus continuation must fit the model's positions (GPT-2: ``seq_len``).
+    """
+    ids = np.asarray(prompt_ids)
+    squeeze = ids.ndim == 1
+    if squeeze:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[1] == 0:
+        raise ValueError(f"prompt_ids must be [P] or [B, P] with P >= 1, got shape {ids.shape}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    seq_len = getattr(getattr(model, "config", None), "seq_len", None)
+    if getattr(getattr(model, "config", None), "type", None) == "gpt2" and ids.shape[1] + max_new_tokens > seq_len:
+        raise ValueError(
+            f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the model's seq_len ({seq_len})"
+        )
+    cache_dtype = None
+    if dtype is not None:
+        from lm_pipeline.eval import _dtype
+        from lm_pipeline.train.trainer import cast_floating
+
+        cache_dtype = _dtype(dtype)
+        model = cast_floating(model, cache_dtype)
+    if pad_id is None:
+        pad_id = eos_id if eos_id is not None else 0
+    known = isinstance(model, (Gpt2Model, LlamaModel))
+    if unroll_layers and not known:
+        raise ValueError(f"unroll_layers is implemented for GPT-2 and Llama models, not {type(model).__name__}")
+    unroll = known if unroll_layers is None else unroll_layers
+    out = _generate(
+        model, jnp.asarray(ids, jnp.int32), jax.random.PRNGKey(seed), int(max_new_tokens),
+        float(temperature), None if top_k is None else int(top_k), None if top_p is None else float(top_p),
+        None if eos_id is None else int(eos_id), int(pad_id), None if vocab_size is None else int(vocab_size),
+        cache_dtype, bool(unroll),
+    )
+    out = np.asarray(out)
+    return out[0] if squeeze else out
+
+
+def generate_text(
+    step_dir: str | os.PathLike,
+    prompt: str | Sequence[str],
+    max_new_tokens: int = 64,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    stop_at_eos: bool = True,
+    dtype: Any = None,
+) -> str | list[str]:
+    """The continuation of ``prompt`` (text) by the checkpoint's model, decoded with its tokenizer.
+
+    ``step_dir``: a checkpoint dir (or run dir: its latest checkpoint) holding ``tokenizer/``.
+    The prompt is encoded as in the token cache (BOS first if the tokenizer adds one; an empty
+    prompt starts from EOS, the document separator). Generation stops at EOS
+    (``stop_at_eos``); special tokens are dropped from the text. A list of prompts gives a list.
+    """
+    from lm_pipeline.data.tokenizer import load_tokenizer, tokenizer_info
+    from lm_pipeline.eval import load_model_from_checkpoint
+
+    loaded = load_model_from_checkpoint(step_dir, dtype=dtype)
+    if loaded.tokenizer_dir is None:
+        raise FileNotFoundError(f"{os.fspath(step_dir)}: the checkpoint has no tokenizer/ dir")
+    tok = load_tokenizer(loaded.tokenizer_dir)
+    info = tokenizer_info(loaded.tokenizer_dir)
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    texts = []
+    for text in prompts:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        if info.adds_bos and info.bos_id is not None:
+            ids = [info.bos_id, *ids]
+        if not ids:
+            ids = [info.eos_id]
+        out = generate(
+            loaded.model, np.asarray(ids, np.int32), max_new_tokens, temperature=temperature, top_k=top_k,
+            top_p=top_p, seed=seed, eos_id=info.eos_id if stop_at_eos else None,
+            vocab_size=min(info.vocab_size, loaded.vocab_size),
+        )
+        new = out[len(ids):].tolist()
+        if stop_at_eos and info.eos_id in new:
+            new = new[: new.index(info.eos_id)]
+        texts.append(tok.decode(new, skip_special_tokens=True))
+    return texts[0] if isinstance(prompt, str) else texts
