@@ -126,3 +126,13 @@ def test_cli_bad_config_fails_fast(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert field in proc.stderr
         assert elapsed < 5.0, f"{args}: took {elapsed:.1f}s"
+
+
+def test_run_length_from_epochs_or_tokens():
+    cfg = load_config(None, {"trainer.num_epochs": 2, "trainer.train_batch_size": 8})
+    assert cfg.trainer.resolve_num_steps(num_sequences=100, seq_len=64) == 25  # 2 * 100 / 8
+    cfg = load_config(None, {"trainer.train_tokens": 10_000, "trainer.train_batch_size": 8})
+    assert cfg.trainer.resolve_num_steps(num_sequences=100, seq_len=64) == 20  # ceil(10000 / 512)
+    assert load_config().trainer.resolve_num_steps(None, 64) == 1000
+    with pytest.raises(ConfigError, match="num_epochs"):
+        load_config(None, {"trainer.num_epochs": 1, "trainer.num_train_steps": 5})

@@ -185,3 +185,16 @@ def test_sigkill_mid_run_resumes_bitwise(tmp_path):
     assert len(a) == len(b) > 0
     for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_initialize_from_starts_a_new_run_with_old_weights(tmp_path):
+    data = ArrayDataset(periodic_tokens(64), 32)
+    base = {**TINY, "trainer.log_every": 5, "trainer.steps_per_eval": 1000}
+    first = train(load_config(None, {**base, "trainer.num_train_steps": 10, "trainer.id": "a"}), train_data=data,
+                  vocab_size=64, run_dir=str(tmp_path / "a"))
+    second = train(load_config(None, {**base, "trainer.num_train_steps": 2, "trainer.id": "b",
+                                      "optimizer.learning_rate": 1e-9, "optimizer.weight_decay": 0.0, "trainer.initialize_from": str(tmp_path / "a")}),
+                   train_data=data, vocab_size=64, run_dir=str(tmp_path / "b"))
+    assert second.resumed_from is None and second.final_step == 2
+    for x, y in zip(jax.tree.leaves(first.state.model), jax.tree.leaves(second.state.model), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)  # lr ~0: run a's weights

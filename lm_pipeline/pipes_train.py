@@ -1,0 +1,171 @@
+"""Training as its own process, launched by Dagster through Pipes: ``python -m lm_pipeline.pipes_train``.
+
+The orchestrating asset (``train_ckpt``) passes, as Pipes extras:
+
+* ``config``: the run config as YAML (the experiment, with the resources' non-semantic overrides);
+* ``store_root``: the artifact store root;
+* ``expected_fingerprint``: the ``train_ckpt`` fingerprint the orchestrator computed (the process
+  refuses to train anything else).
+
+While training, the process reports back through Pipes:
+
+* every complete checkpoint as it lands (a custom message ``{"type": "checkpoint", "step", "path",
+  "kind", "run_fingerprint"}``; the asset turns it into an observation of ``train_ckpt``);
+* metrics every ``trainer.log_every`` steps (a log line and a custom message ``{"type": "metrics"}``);
+* at the end, the materialization of ``train_ckpt`` with its data version (= its fingerprint)
+  and the final metrics.
+
+The training resumes from the run's latest checkpoint, so a retried (or preempted) run continues
+rather than starting over. Being a separate process, it can get tcmalloc via ``LD_PRELOAD`` and
+its own ``JAX_PLATFORMS``.
+
+Fault injection (tests): ``LM_PIPELINE_TRAIN_FAULT=<marker file>`` makes the run die right after
+its first complete checkpoint lands -- once: the marker file records that it happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lm_pipeline.steps import complete_checkpoints
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "LM_PIPELINE_TRAIN_FAULT"
+
+
+class CheckpointWatcher:
+    """Reports each complete checkpoint of a run directory once, in step order."""
+
+    def __init__(self, run_dir: str, on_new: Callable[[dict[str, Any]], None] | None = None):
+        self.run_dir = run_dir
+        self.on_new = on_new
+        self.seen: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Checkpoints completed since the last poll."""
+        with self._lock:
+            new = [c for c in complete_checkpoints(self.run_dir) if c["path"] not in self.seen]
+            for c in new:
+                self.seen.add(c["path"])
+                if self.on_new is not None:
+                    self.on_new(c)
+            return new
+
+    def start(self, interval: float = 1.0) -> CheckpointWatcher:
+        def loop():
+            while not self._stop.wait(interval):
+                try:
+                    self.poll()
+                except Exception as e:  # a listing hiccup must not kill training
+                    log.warning("checkpoint watcher: %s", e)
+
+        self._thread = threading.Thread(target=loop, name="checkpoint-watcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[dict[str, Any]]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        return self.poll()
+
+
+def fault_hooks(run_dir: str, *, hard: bool) -> list:
+    """Hooks for ``LM_PIPELINE_TRAIN_FAULT`` (none when it is unset); ``hard`` kills the process,
+    else an exception is raised in the training loop."""
+    marker = os.environ.get(FAULT_ENV)
+    if not marker:
+        return []
+    from lm_pipeline.train.trainer import Hook
+
+    def fn(info):
+        if os.path.exists(marker) or not complete_checkpoints(run_dir):
+            return None
+        with open(marker, "w") as f:
+            f.write(f"crashed at step {info.step}\n")
+        msg = f"injected fault: training killed at step {info.step} ({FAULT_ENV})"
+        log.error(msg)
+        if hard:
+            os._exit(17)
+        raise RuntimeError(msg)
+
+    return [Hook(fn, every=1)]
+
+
+def _metadata(res) -> dict[str, Any]:
+    """Pipes metadata (plain values) of a finished train_ckpt stage."""
+    summary = res.manifest.get("summary", {})
+    md: dict[str, Any] = {
+        "path": {"raw_value": res.path, "type": "path"},
+        "fingerprint": res.fingerprint,
+        "cache_hit": res.hit,
+        "seconds": round(res.seconds, 3),
+    }
+    for k, v in summary.items():
+        if isinstance(v, bool) or v is None:
+            continue
+        if isinstance(v, (int, float)):
+            md[k] = v
+    for k in ("final_checkpoint", "resumed_from"):
+        if summary.get(k):
+            md[k] = {"raw_value": summary[k], "type": "path"}
+    md["num_checkpoints"] = len(res.manifest.get("checkpoints") or [])
+    return md
+
+
+def main() -> int:
+    import yaml
+    from dagster_pipes import open_dagster_pipes
+
+    from lm_pipeline.config import RunConfig
+    from lm_pipeline.schema import from_dict
+    from lm_pipeline.steps import Pipeline
+    from lm_pipeline.store import ArtifactStore
+    from lm_pipeline.train.trainer import Hook
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with open_dagster_pipes() as pipes:
+        extras = pipes.extras
+        cfg = from_dict(RunConfig, yaml.safe_load(extras["config"]))
+        pipe = Pipeline(cfg, ArtifactStore(extras["store_root"]), progress=False)
+        fp = pipe.address("train_ckpt").fingerprint
+        expected = extras.get("expected_fingerprint")
+        if expected and fp != expected:
+            raise RuntimeError(f"train_ckpt fingerprint {fp} differs from the orchestrator's {expected}; "
+                               "the data or the code changed under the run")
+        run_dir = pipe.run_dir()
+        pipes.log.info(f"train_ckpt {fp}: run dir {run_dir} (pid {os.getpid()}, "
+                       f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}, JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r})")
+
+        def on_checkpoint(c: dict[str, Any]) -> None:
+            pipes.report_custom_message({"type": "checkpoint", "run_fingerprint": fp, **c})
+            pipes.log.info(f"checkpoint step {c['step']} ({c['kind']}) complete: {c['path']}")
+
+        def on_metrics(info) -> None:
+            metrics = {k: float(v) for k, v in (info.metrics or {}).items() if isinstance(v, (int, float))}
+            if metrics:
+                pipes.report_custom_message({"type": "metrics", "step": info.step, "metrics": metrics})
+                shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith(("train/", "eval/")))
+                pipes.log.info(f"step {info.step}: {shown}")
+
+        watcher = CheckpointWatcher(run_dir, on_checkpoint).start(float(extras.get("poll_seconds", 1.0)))
+        hooks = [Hook(on_metrics, every=cfg.trainer.log_every), *fault_hooks(run_dir, hard=True)]
+        try:
+            res = pipe.train_ckpt(hooks=hooks)
+        finally:
+            watcher.stop()
+        pipes.report_asset_materialization(asset_key="train_ckpt", metadata=_metadata(res), data_version=res.fingerprint)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
