@@ -240,7 +240,7 @@ def hf_export(res) -> dict[str, Any]:
     if s.get("files"):
         md["files"] = dg.MetadataValue.md("\n".join(f"- `{f}`" for f in s["files"]))
     if s.get("sample") is not None:
-        md["sample"] = dg.MetadataValue.md(f"prompt `{s.get('sample_prompt', '')!r}` (greedy):\n\n```\n{s.get('sample_prompt', '')}{s['sample']}\n```")
+        md["sample"] = dg.MetadataValue.md(f"prompt `{s.get('sample_prompt', '')!r}` (temperature 0.8, top-k 40, seed 0):\n\n```\n{s.get('sample_prompt', '')}{s['sample']}\n```")
     md["load_with"] = dg.MetadataValue.md(
         f"```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
         f"model = AutoModelForCausalLM.from_pretrained({res.path!r})\ntok = AutoTokenizer.from_pretrained({res.path!r})\n```")

@@ -52,22 +52,45 @@ def ensure_allocator(use_tcmalloc: bool) -> str:
     return "glibc malloc (--no-tcmalloc)"
 
 
+def _machine_busy_s() -> float:
+    """CPU seconds all processes on the machine have spent busy (from /proc/stat; 0 elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    # user nice system idle iowait irq softirq steal ...
+    busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class Counters:
-    """Wall time, CPU time (user, system) and minor page faults of this process."""
+    """Wall time, CPU time (user, system) and minor page faults of this process, and the busy
+    CPU time of the whole machine (to tell how much other processes took during a window)."""
 
     wall: float
     user: float
     sys: float
     minflt: int
+    machine: float
 
     @classmethod
     def now(cls) -> Counters:
         r = resource.getrusage(resource.RUSAGE_SELF)
-        return cls(time.perf_counter(), r.ru_utime, r.ru_stime, r.ru_minflt)
+        return cls(time.perf_counter(), r.ru_utime, r.ru_stime, r.ru_minflt, _machine_busy_s())
 
     def __sub__(self, other: Counters) -> Counters:
-        return Counters(self.wall - other.wall, self.user - other.user, self.sys - other.sys, self.minflt - other.minflt)
+        return Counters(self.wall - other.wall, self.user - other.user, self.sys - other.sys,
+                        self.minflt - other.minflt, self.machine - other.machine)
+
+    @property
+    def others_cores(self) -> float:
+        """Cores' worth of CPU used by other processes during this interval (>= 0; /proc/stat
+        ticks are coarse, so short intervals are approximate)."""
+        if self.wall <= 0:
+            return 0.0
+        return max(0.0, (self.machine - self.user - self.sys) / self.wall)
 
 
 def summarize(values: list[float]) -> dict[str, float]:

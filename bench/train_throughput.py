@@ -166,7 +166,7 @@ class TorchRunner:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             self.i += 1
-        self.loss = float(loss)
+        self.loss = float(loss.detach())
 
 
 # --- driver -----------------------------------------------------------------------------------
@@ -194,19 +194,23 @@ def bench_shape(shape_name: str, args) -> dict:
         r.run(1)  # JAX: trace + compile + one step; torch: first step
         first_step[name] = time.perf_counter() - t0
         runners[name] = r
-    # Warm-up and calibration: a few steps each, then steps per window for ~window_s seconds.
+    # Warm-up (at least warmup_steps steps and warmup_s seconds each), then steps per window
+    # for about window_s seconds, from the warm-up's later half.
     for name, r in runners.items():
-        r.run(args.warmup_steps)
+        t_start, n = time.perf_counter(), 0
+        while n < args.warmup_steps or time.perf_counter() - t_start < args.warmup_s:
+            r.run(1)
+            n += 1
         t0 = time.perf_counter()
-        r.run(args.warmup_steps)
-        per_step = (time.perf_counter() - t0) / args.warmup_steps
+        k = max(1, n // 2)
+        r.run(k)
+        per_step = (time.perf_counter() - t0) / k
         steps[name] = max(2, round(args.window_s / per_step))
     rates = {n: [] for n in VARIANTS}
     cpu = {n: [] for n in VARIANTS}
-    loads = []
+    others = []
     for w in range(args.windows):
         order = VARIANTS[w % len(VARIANTS):] + VARIANTS[: w % len(VARIANTS)]
-        loads.append(loadavg())
         for name in order:
             time.sleep(args.pause)
             c0 = Counters.now()
@@ -214,8 +218,9 @@ def bench_shape(shape_name: str, args) -> dict:
             d = Counters.now() - c0
             rates[name].append(steps[name] * tokens_per_step / d.wall)
             cpu[name].append((d.user / d.wall, d.sys / d.wall, d.minflt / steps[name]))
+            others.append(d.others_cores)
         if args.verbose:
-            print(f"  [{shape_name} window {w + 1}/{args.windows}, load {loads[-1]:.1f}] "
+            print(f"  [{shape_name} window {w + 1}/{args.windows}, others {others[-1]:.1f} cores] "
                   + "  ".join(f"{n} {fmt_rate(rates[n][-1])}" for n in VARIANTS), flush=True)
     out = {
         "shape": vars_shape(shape),
@@ -231,7 +236,7 @@ def bench_shape(shape_name: str, args) -> dict:
         "cpu": {n: {"user": med([c[0] for c in v]), "sys": med([c[1] for c in v]), "minflt_per_step": med([c[2] for c in v])}
                 for n, v in cpu.items()},
         "final_loss": {n: r.loss for n, r in runners.items()},
-        "load": [min(loads), max(loads)],
+        "others_cores": summarize(others),
     }
     del runners
     return out
@@ -263,6 +268,8 @@ def ratios(res: dict) -> dict:
             "ratio": res["tokens_per_s"][a]["median"] / res["tokens_per_s"][b]["median"],
             "round_min": min(per_round),
             "round_max": max(per_round),
+            # best window vs best window: the least disturbed by other processes on the machine
+            "best": res["tokens_per_s"][a]["max"] / res["tokens_per_s"][b]["max"],
         }
     return out
 
@@ -281,13 +288,16 @@ def print_table(results: dict, rat: dict) -> None:
                   f"{c['user']:>5.2f} {c['sys']:>5.2f} {c['minflt_per_step']:>11.0f} "
                   f"{'' if comp is None else f'{comp:.1f}':>9}")
     print()
-    print(f"{'shape':<8} {'ratio':<34} {'median':>7} {'per-round range':>17}")
+    print(f"{'shape':<8} {'ratio':<34} {'median':>7} {'per-round range':>17} {'best/best':>10}")
     labels = {"f32": "JAX f32 / torch f32", "bf16": "JAX bf16 / torch bf16-autocast",
               "bf16_vs_torch_f32": "JAX bf16 / torch f32"}
     for shape_name, rs in rat.items():
         for key, r in rs.items():
-            print(f"{shape_name:<8} {labels[key]:<34} {r['ratio']:>7.2f} {r['round_min']:>8.2f}-{r['round_max']:<8.2f}")
+            print(f"{shape_name:<8} {labels[key]:<34} {r['ratio']:>7.2f} {r['round_min']:>8.2f}-{r['round_max']:<8.2f} {r['best']:>10.2f}")
     print()
+    for shape_name, res in results.items():
+        o = res["others_cores"]
+        print(f"{shape_name}: other processes used {o['median']:.1f} cores (median over windows; {o['min']:.1f}-{o['max']:.1f})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -295,7 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shapes", default="tiny,medium", help="comma-separated: tiny, medium")
     p.add_argument("--windows", type=int, default=7, help="timed windows per variant (>= 5 recommended)")
     p.add_argument("--window-s", type=float, default=None, help="target seconds per window (default 2, --quick 0.6)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="warm-up steps per variant (default 5, --quick 3)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="minimum warm-up steps per variant (default 4, --quick 2)")
+    p.add_argument("--warmup-s", type=float, default=None, help="minimum warm-up seconds per variant (default 3, --quick 1)")
     p.add_argument("--pause", type=float, default=0.2, help="seconds of idle between windows")
     p.add_argument("--quick", action="store_true", help="short windows (a smoke test; noisier)")
     p.add_argument("--no-tcmalloc", action="store_true", help="do not preload tcmalloc (glibc malloc)")
@@ -305,7 +316,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.window_s is None:
         args.window_s = 0.6 if args.quick else 2.0
     if args.warmup_steps is None:
-        args.warmup_steps = 3 if args.quick else 5
+        args.warmup_steps = 2 if args.quick else 4
+    if args.warmup_s is None:
+        args.warmup_s = 1.0 if args.quick else 3.0
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     for s in shapes:
         if s not in SHAPES:
@@ -339,7 +352,8 @@ def main(argv: list[str] | None = None) -> None:
         "vocab": VOCAB,
         "threads": threads,
         "windows": args.windows,
-        "load": {s: results[s]["load"] for s in shapes},
+        "best_window_ratio": {f"{s}_{k}": round(rat[s][k]["best"], 4) for s in shapes for k in PAIRS},
+        "others_cores": {s: round(results[s]["others_cores"]["median"], 2) for s in shapes},
         "final_loss": {s: {n: round(v, 4) for n, v in results[s]["final_loss"].items()} for s in shapes},
     }
     print("RESULT " + json.dumps(result))

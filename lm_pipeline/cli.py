@@ -6,15 +6,20 @@ values parsed as YAML); the config is validated before any compute starts.
     lm-pipeline train    --config_path configs/tiny_gpt2.yaml [--trainer.num_train_steps 200]
     lm-pipeline cache    --config_path ...            # build the tokenizer and token cache only
     lm-pipeline plan     --config_path ...            # hit / miss per stage, and why
+    lm-pipeline eval     --config_path ... --checkpoint_path RUN_OR_STEP_DIR [--output_dir DIR]
+    lm-pipeline export   --checkpoint_path STEP_DIR --output_dir DIR
+    lm-pipeline generate --checkpoint_path STEP_DIR --prompt "def main(" [--temperature 0.8]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from lm_pipeline.schema import ConfigError
 
@@ -22,20 +27,63 @@ COMMANDS = {
     "train": "train a model (builds the tokenizer and token cache first if needed)",
     "cache": "build the raw shards, tokenizer and token cache only",
     "plan": "show, per stage, whether it is cached and which fields or inputs changed",
+    "eval": "evaluate a checkpoint on the config's validation sets (loss, perplexity, bits-per-byte)",
+    "export": "export a checkpoint as a Hugging Face transformers directory",
+    "generate": "sample text from a checkpoint",
 }
 
 
 def _parser(cmd: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"lm-pipeline {cmd}", description=COMMANDS[cmd])
+    p = argparse.ArgumentParser(prog=f"lm-pipeline {cmd}", description=COMMANDS[cmd],
+                                epilog="Any config field can be overridden: --section.field VALUE")
     p.add_argument("--config_path", "--config", dest="config_path", default=None, help="run config YAML")
     p.add_argument("--log_level", default="INFO")
+    if cmd in ("eval", "export", "generate"):
+        p.add_argument("--checkpoint_path", required=True, help="a step-N dir, or a run dir (its latest checkpoint)")
+    if cmd in ("eval", "export"):
+        p.add_argument("--output_dir", required=cmd == "export", default=None)
+    if cmd == "generate":
+        p.add_argument("--prompt", action="append", required=True, help="may be given several times (a batch)")
+        p.add_argument("--max_new_tokens", type=int, default=64)
+        p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+        p.add_argument("--top_k", type=int, default=None)
+        p.add_argument("--top_p", type=float, default=None)
+        p.add_argument("--seed", type=int, default=0)
     return p
 
 
-def _load(args: argparse.Namespace, rest: Sequence[str]):
-    from lm_pipeline.config import load_config
+def _resolve_checkpoint(path: str) -> str:
+    from lm_pipeline.train.checkpoint import latest_checkpoint
 
-    return load_config(args.config_path, list(rest))
+    found = latest_checkpoint(path)
+    if found is None:
+        raise ConfigError("checkpoint_path", f"no complete checkpoint at or under {path}")
+    return found
+
+
+def _eval(cfg, ckpt: str, output_dir: str | None) -> int:
+    """Evaluate ``ckpt`` on the config's validation sets, tokenized with the checkpoint's tokenizer."""
+    from lm_pipeline.config import load_config
+    from lm_pipeline.data.config import TokenizerConfig
+    from lm_pipeline.eval import evaluate_checkpoint, write_report
+    from lm_pipeline.steps import Pipeline
+
+    trained = load_config(Path(ckpt) / "config.yaml")
+    tok = TokenizerConfig(kind="hf", name_or_path=str(Path(ckpt) / "tokenizer"))
+    cfg = dataclasses.replace(cfg, model=trained.model, data=dataclasses.replace(cfg.data, tokenizer=tok))
+    pipe = Pipeline(cfg)
+    cache = pipe.token_cache()
+    _, evals, _, _ = pipe.datasets(cache)
+    ev = cfg.eval
+    df = evaluate_checkpoint(ckpt, evals, batch_size=ev.batch_size, max_eval_batches=ev.max_eval_batches,
+                             compute_dtype=ev.compute_dtype,
+                             train_cache=f"{cache.path}/train" if ev.unigram_baseline else None)
+    out = output_dir or ev.report_dir or str(Path(ckpt) / "eval")
+    files = write_report(df, out)
+    cols = [c for c in ("dataset", "step", "loss", "perplexity", "bpb", "unigram_bpb", "tokens") if c in df.columns]
+    print(df[cols].to_string(index=False))
+    print(json.dumps(files))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,24 +97,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     args, overrides = _parser(cmd).parse_known_args(rest)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)
     try:
-        cfg = _load(args, overrides)
-        from lm_pipeline.steps import Pipeline
+        from lm_pipeline.config import load_config
 
-        pipe = Pipeline(cfg)
-        pipe.preflight()
-        if cmd == "train":
-            res = pipe.train_ckpt()
-            print(json.dumps({"run_dir": res.path, "hit": res.hit, **res.summary}, indent=2, default=str))
-        elif cmd == "cache":
-            res = pipe.token_cache()
-            print(json.dumps({"cache_dir": res.path, "hit": res.hit, **res.summary}, indent=2, default=str))
-        elif cmd == "plan":
-            print(pipe.plan_text())
+        cfg = load_config(args.config_path, list(overrides))
+        if cmd in ("train", "cache", "plan"):
+            from lm_pipeline.steps import Pipeline
+
+            pipe = Pipeline(cfg)
+            pipe.preflight()
+            if cmd == "train":
+                res = pipe.train_ckpt()
+                print(json.dumps({"run_dir": pipe.run_dir(), "hit": res.hit, **res.summary}, indent=2, default=str))
+            elif cmd == "cache":
+                res = pipe.token_cache()
+                print(json.dumps({"cache_dir": res.path, "hit": res.hit, **res.summary}, indent=2, default=str))
+            else:
+                print(pipe.plan_text())
+            return 0
+        ckpt = _resolve_checkpoint(args.checkpoint_path)
+        if cmd == "eval":
+            return _eval(cfg, ckpt, args.output_dir)
+        if cmd == "export":
+            from lm_pipeline.hf import export_hf
+
+            out = export_hf(ckpt, args.output_dir, dtype=cfg.export.dtype, max_shard_size=cfg.export.max_shard_size)
+            print(out)
+            return 0
+        from lm_pipeline.generate import generate_text
+
+        texts = generate_text(ckpt, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        for prompt, text in zip(args.prompt, [texts] if isinstance(texts, str) else texts, strict=True):
+            print(prompt + text)
+        return 0
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from typing import Any
 import yaml
 
 from lm_pipeline.data.config import DataConfig
+from lm_pipeline.eval import EvalConfig
+from lm_pipeline.hf import ExportConfig
 from lm_pipeline.models import Gpt2Config, LmConfig
 from lm_pipeline.schema import ConfigError, field, from_dict, to_dict
 from lm_pipeline.train.config import TrainerConfig
@@ -39,6 +41,8 @@ class RunConfig:
     model: LmConfig = field(default_factory=Gpt2Config, help="The model family (`type: gpt2 | llama`) and its shape.")
     trainer: TrainerConfig = field(default_factory=TrainerConfig, help="The training loop.")
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, help="AdamW and the learning-rate schedule.")
+    eval: EvalConfig = field(default_factory=EvalConfig, help="Offline evaluation of checkpoints (eval_report).")
+    export: ExportConfig = field(default_factory=ExportConfig, help="Hugging Face exports (hf_export, hf_save_steps).")
     store: StoreConfig = field(default_factory=StoreConfig, help="The artifact store.", semantic=False)
 
 

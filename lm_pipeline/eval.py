@@ -26,8 +26,10 @@ evaluated (the first ``max_eval_batches * batch_size`` rows in order; all rows b
 * Aggregates: a ``micro`` row (totals over all sets: sum of nats / sum of tokens, / sum of
   bytes) and a ``macro`` row (the unweighted mean of the sets' losses and bpbs).
 
-Reports have one row per (checkpoint, dataset or aggregate) and are validated by
-:func:`report_schema` (pandera) before :func:`write_report` saves them as Parquet and JSON.
+Reports have one row per (checkpoint, dataset or aggregate; aggregates are named ``_micro`` and
+``_macro``) with the columns of :data:`REPORT_COLUMNS` (``max_eval_batches`` is -1 when all rows
+were evaluated; missing values are NaN), and are validated by :func:`report_schema` (pandera)
+before :func:`write_report` saves them as Parquet and JSON.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ __all__ = [
     "load_model_from_checkpoint",
     "read_report",
     "report_schema",
+    "resolve_dtype",
     "target_byte_weights",
     "unigram_baseline",
     "unigram_log_probs",
@@ -106,7 +109,7 @@ class EvalConfig:
             raise ConfigError("max_eval_batches", f"must be >= 1 or null, got {self.max_eval_batches}")
         if self.compute_dtype is not None:
             try:
-                _dtype(self.compute_dtype)
+                resolve_dtype(self.compute_dtype)
             except ValueError as e:
                 raise ConfigError("compute_dtype", str(e)) from None
 
@@ -118,8 +121,8 @@ _DTYPES = {
 }
 
 
-def _dtype(spec: Any) -> Any:
-    """A JAX dtype from a name ('bf16', 'float32', ...) or a dtype."""
+def resolve_dtype(spec: Any) -> Any:
+    """A JAX dtype from a name ('bf16', 'bfloat16', 'float32', 'f16', ...) or a dtype."""
     if isinstance(spec, str):
         if spec.lower() not in _DTYPES:
             raise ValueError(f"unknown dtype {spec!r}; use one of float32, bfloat16, float16")
@@ -201,7 +204,7 @@ def load_model_from_checkpoint(path: str | os.PathLike, *, dtype: Any = None) ->
     if dtype is not None:
         from lm_pipeline.train.trainer import cast_floating
 
-        model = cast_floating(model, _dtype(dtype))
+        model = cast_floating(model, resolve_dtype(dtype))
     tok = os.path.join(step_dir, TOKENIZER_DIR)
     tok_dir = tok if os.path.isfile(os.path.join(tok, "tokenizer.json")) else None
     return LoadedCheckpoint(cfg, model, tok_dir, vocab_size)
@@ -431,7 +434,7 @@ def evaluate_model(
     if compute_dtype is not None:
         from lm_pipeline.train.trainer import cast_floating
 
-        model = cast_floating(model, _dtype(compute_dtype))
+        model = cast_floating(model, resolve_dtype(compute_dtype))
     logp = unigram.log_probs if isinstance(unigram, UnigramBaseline) else unigram
     out: dict[str, DatasetMetrics] = {}
     for name, ds in datasets.items():
@@ -604,7 +607,7 @@ def _evaluate_loaded(
         path, checkpoint_step(path), metrics, entropy=None if unigram is None else unigram.entropy,
         max_eval_batches=max_eval_batches, model_type=_model_type(loaded.model),
         num_params=loaded.config.model.num_params(loaded.vocab_size), seq_len=loaded.config.model.seq_len,
-        compute_dtype=jnp.dtype(_dtype(compute_dtype)).name,
+        compute_dtype=jnp.dtype(resolve_dtype(compute_dtype)).name,
     )
     return validate_report(_frame(rows))
 
@@ -619,13 +622,16 @@ def evaluate_checkpoints(
     train_cache: Any = None,
     unigram: UnigramBaseline | None = None,
 ) -> pd.DataFrame:
-    """:func:`evaluate_checkpoint` for several checkpoints (the unigram baseline computed once),
-    concatenated into one report."""
+    """:func:`evaluate_checkpoint` for several checkpoints (each evaluated once; the unigram
+    baseline computed once), concatenated into one report."""
     import pandas as pd
 
-    frames = []
+    frames, seen = [], set()
     for p in paths:
         path = _resolve_checkpoint(p)
+        if path in seen:  # e.g. a step dir and its run dir
+            continue
+        seen.add(path)
         loaded = load_model_from_checkpoint(path)
         if unigram is None and train_cache is not None:
             unigram = _unigram_for(loaded, train_cache)
@@ -646,7 +652,7 @@ def report_schema():
         return pa.Column(float, pa.Check.ge(0.0), nullable=nullable)
 
     def perplexity_is_exp_loss(df):
-        return np.isclose(df["perplexity"], np.exp(df["loss"]), rtol=1e-6, atol=0.0)
+        return (df["perplexity"] - np.exp(df["loss"])).abs() <= 1e-6 * df["perplexity"].abs()
 
     return pa.DataFrameSchema(
         {
@@ -685,8 +691,9 @@ def report_schema():
 
 
 def validate_report(df: pd.DataFrame) -> pd.DataFrame:
-    """Validate a report table against :func:`report_schema` (raises pandera's SchemaError)."""
-    return report_schema().validate(df)
+    """Validate a report table against :func:`report_schema`; every problem is collected and
+    raised together as ``pandera.errors.SchemaErrors``."""
+    return report_schema().validate(df, lazy=True)
 
 
 def write_report(df: pd.DataFrame, out_dir: str | os.PathLike) -> dict[str, str]:

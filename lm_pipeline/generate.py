@@ -17,7 +17,9 @@ are those of ``model.decode`` (tested); other model families always use their ``
 Token selection: greedy (argmax) when ``temperature == 0``; otherwise sampling from
 ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens and to the
 smallest set whose probability reaches ``top_p`` (nucleus), in that order, as ``transformers``
-applies them. Sampling is reproducible: step i uses ``fold_in(PRNGKey(seed), i)``.
+applies them. Sampling is reproducible: step i uses ``fold_in(PRNGKey(seed), i)``. The
+temperature, ``top_p`` and the seed are traced values: changing them reuses the compiled program
+(greedy vs sampling, ``top_k`` and whether ``top_p`` is used are part of the program).
 """
 
 from __future__ import annotations
@@ -43,13 +45,15 @@ def select_tokens(
     logits: jax.Array,
     key: jax.Array | None,
     *,
-    temperature: float = 0.0,
+    temperature: float | jax.Array = 0.0,
     top_k: int | None = None,
-    top_p: float | None = None,
+    top_p: float | jax.Array | None = None,
     vocab_size: int | None = None,
 ) -> jax.Array:
     """logits [B, V] -> int32 [B]: greedy, or sampled with temperature / top-k / top-p.
 
+    Greedy when ``temperature`` is the Python number 0 (an array temperature always samples).
+    ``top_p``: None or a Python number >= 1 disables it; an array is always applied.
     ``vocab_size``: only ids below it can be chosen (a model vocabulary padded beyond the
     tokenizer's never emits the padding ids).
     """
@@ -58,13 +62,13 @@ def select_tokens(
     neg = jnp.float32(-jnp.inf)
     if vocab_size is not None and vocab_size < v:
         logits = jnp.where(jnp.arange(v) < vocab_size, logits, neg)
-    if temperature == 0.0:
+    if isinstance(temperature, (int, float)) and temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / jnp.float32(temperature)
+    logits = logits / jnp.asarray(temperature, jnp.float32)
     if top_k is not None and 0 < top_k < v:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, neg, logits)
-    if top_p is not None and top_p < 1.0:
+    if top_p is not None and not (isinstance(top_p, (int, float)) and top_p >= 1.0):
         desc = -jnp.sort(-logits, axis=-1)
         probs = jax.nn.softmax(desc, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
@@ -120,10 +124,10 @@ def _generate(
     model: LmModel,
     prompt: jax.Array,
     key: jax.Array,
+    temperature: jax.Array | None,
+    top_p: jax.Array | None,
     max_new: int,
-    temperature: float,
     top_k: int | None,
-    top_p: float | None,
     eos_id: int | None,
     pad_id: int,
     vocab_size: int | None,
@@ -133,8 +137,8 @@ def _generate(
     b, p = prompt.shape
 
     def select(logits, i):
-        return select_tokens(logits, jax.random.fold_in(key, i), temperature=temperature, top_k=top_k,
-                             top_p=top_p, vocab_size=vocab_size)
+        return select_tokens(logits, jax.random.fold_in(key, i), temperature=0.0 if temperature is None else temperature,
+                             top_k=top_k, top_p=top_p, vocab_size=vocab_size)
 
     # Positions used: 0 .. p + max_new - 2 (the last token is chosen, never fed back).
     max_len = p + max_new - 1
@@ -222,10 +226,10 @@ def generate(
         )
     cache_dtype = None
     if dtype is not None:
-        from lm_pipeline.eval import _dtype
+        from lm_pipeline.eval import resolve_dtype
         from lm_pipeline.train.trainer import cast_floating
 
-        cache_dtype = _dtype(dtype)
+        cache_dtype = resolve_dtype(dtype)
         model = cast_floating(model, cache_dtype)
     if pad_id is None:
         pad_id = eos_id if eos_id is not None else 0
@@ -233,9 +237,12 @@ def generate(
     if unroll_layers and not known:
         raise ValueError(f"unroll_layers is implemented for GPT-2 and Llama models, not {type(model).__name__}")
     unroll = known if unroll_layers is None else unroll_layers
+    greedy = temperature == 0
     out = _generate(
-        model, jnp.asarray(ids, jnp.int32), jax.random.PRNGKey(seed), int(max_new_tokens),
-        float(temperature), None if top_k is None else int(top_k), None if top_p is None else float(top_p),
+        model, jnp.asarray(ids, jnp.int32), jax.random.PRNGKey(seed),
+        None if greedy else jnp.float32(temperature),
+        None if greedy or top_p is None or top_p >= 1.0 else jnp.float32(top_p),
+        int(max_new_tokens), None if greedy or top_k is None else int(top_k),
         None if eos_id is None else int(eos_id), int(pad_id), None if vocab_size is None else int(vocab_size),
         cache_dtype, bool(unroll),
     )

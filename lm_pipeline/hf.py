@@ -606,9 +606,9 @@ def load_hf_checkpoint(
     vocab = int(state[emb].shape[0])
     model = from_hf_state_dict(cfg, state, vocab)
     if dtype is not None:
-        from lm_pipeline.eval import _dtype
+        from lm_pipeline.eval import resolve_dtype
         from lm_pipeline.train.trainer import cast_floating
 
-        model = cast_floating(model, _dtype(dtype))
+        model = cast_floating(model, resolve_dtype(dtype))
     return cfg, model
 

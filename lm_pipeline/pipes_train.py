@@ -19,8 +19,8 @@ The training resumes from the run's latest checkpoint, so a retried (or preempte
 rather than starting over. Being a separate process, it can get tcmalloc via ``LD_PRELOAD`` and
 its own ``JAX_PLATFORMS``.
 
-Fault injection (tests): ``LM_PIPELINE_TRAIN_FAULT=<marker file>`` makes the run die right after
-its first complete checkpoint lands -- once: the marker file records that it happened.
+Fault injection (tests): ``LM_PIPELINE_TRAIN_FAULT=<marker file>[@<step>]`` makes the run die at
+that step, once a checkpoint is complete -- once: the marker file records that it happened.
 """
 
 from __future__ import annotations
@@ -80,16 +80,23 @@ class CheckpointWatcher:
 
 
 def fault_hooks(run_dir: str, *, hard: bool) -> list:
-    """Hooks for ``LM_PIPELINE_TRAIN_FAULT`` (none when it is unset); ``hard`` kills the process,
-    else an exception is raised in the training loop."""
-    marker = os.environ.get(FAULT_ENV)
-    if not marker:
+    """Hooks for ``LM_PIPELINE_TRAIN_FAULT=<marker file>[@<step>]`` (none when it is unset): at the
+    first step >= ``step`` (default 1) the run waits for a complete checkpoint, then dies -- once
+    (the marker file records it). ``hard`` kills the process, else the training loop raises."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
         return []
     from lm_pipeline.train.trainer import Hook
 
+    marker, _, at = spec.partition("@")
+    at_step = int(at) if at else 1
+
     def fn(info):
-        if os.path.exists(marker) or not complete_checkpoints(run_dir):
+        if info.step < at_step or os.path.exists(marker):
             return None
+        deadline = time.monotonic() + 120
+        while not complete_checkpoints(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the checkpoint is written in the background
         with open(marker, "w") as f:
             f.write(f"crashed at step {info.step}\n")
         msg = f"injected fault: training killed at step {info.step} ({FAULT_ENV})"
@@ -119,6 +126,7 @@ def _metadata(res) -> dict[str, Any]:
         if summary.get(k):
             md[k] = {"raw_value": summary[k], "type": "path"}
     md["num_checkpoints"] = len(res.manifest.get("checkpoints") or [])
+    md["reported_by"] = f"pipes process {os.getpid()}"
     return md
 
 

@@ -546,12 +546,20 @@ class Pipeline:
         def build(path: str):
             from lm_pipeline.train.run import train
 
+            from lm_pipeline.hf import export_hook
+            from lm_pipeline.train.trainer import StepInfo
+
             train_ds, evals, tok_dir, vocab = self.datasets(cache)
             run_dir = self.run_dir()
+            # Levanter's hf_save_steps: export every N steps, and once more at the end.
+            hf_hook = export_hook(self.export_config, run_dir=run_dir, tokenizer_dir=tok_dir)
             res = train(self.cfg, train_data=train_ds, vocab_size=vocab, eval_data=evals,
-                        eval_bytes={n: d.num_bytes for n, d in evals.items()},
+                        eval_bytes_per_token={n: d.bytes_per_token for n, d in evals.items()},
                         run_id=self.run_id(), run_dir=run_dir,
-                        extra_checkpoint_files={"tokenizer": Path(tok_dir)}, hooks=hooks)
+                        extra_checkpoint_files={"tokenizer": Path(tok_dir)},
+                        hooks=[*hooks, *([hf_hook] if hf_hook else [])])
+            if hf_hook and res.final_step % hf_hook.every:
+                hf_hook.fn(StepInfo(res.final_step, res.state, res.metrics))
             final = res.checkpoints[-1] if res.checkpoints else None
             from lm_pipeline.train.checkpoint import latest_checkpoint
 
@@ -605,10 +613,11 @@ class Pipeline:
 
         return self._run("eval_report", build, step=step)
 
-    def hf_export(self, checkpoint: str | None = None, *, sample_prompt: str | None = "def ",
-                  sample_tokens: int = 32) -> StageResult:
+    def hf_export(self, checkpoint: str | None = None, *, sample_prompt: str | None = "import ",
+                  sample_tokens: int = 48) -> StageResult:
         """Export a checkpoint (default: the run's final one) as a ``transformers`` model directory
-        (the artifact directory itself); a short greedy sample is recorded in the manifest."""
+        (the artifact directory itself); a short sample of its text (temperature 0.8, top-k 40,
+        seed 0: reproducible) is recorded in the manifest."""
         ckpt, step = self._checkpoint(checkpoint)
 
         def build(path: str):
@@ -624,9 +633,11 @@ class Pipeline:
             if sample_prompt is not None:
                 from lm_pipeline.generate import generate_text
 
+                room = self.cfg.model.seq_len - len(sample_prompt.encode("utf-8")) - 1  # tokens <= bytes (+BOS)
                 try:
                     summary["sample_prompt"] = sample_prompt
-                    summary["sample"] = generate_text(ckpt, sample_prompt, sample_tokens)
+                    summary["sample"] = generate_text(ckpt, sample_prompt, max(1, min(sample_tokens, room)),
+                                                      temperature=0.8, top_k=40, seed=0)
                 except Exception as e:  # a sample is a nicety; never fail the export for it
                     log.warning("hf_export: sample generation failed: %s", e)
             return summary, {"checkpoint": ckpt, "step": step}

@@ -68,7 +68,7 @@ class ArtifactStore:
         try:
             with self.fs.open(art.manifest_path, "r") as f:
                 return json.load(f)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
 
     def is_complete(self, stage: str, fp: str) -> bool:
@@ -84,6 +84,8 @@ class ArtifactStore:
         out = []
         for entry in entries:
             fp = entry.rstrip("/").rsplit("/", 1)[-1]
+            if fp.startswith("."):  # locks and fan-out scratch space
+                continue
             m = self.manifest(stage, fp)
             if m is not None:
                 out.append(m)

@@ -144,8 +144,7 @@ class TrainingLauncherResource(dg.ConfigurableResource):
 
 def apply_runtime_overrides(cfg, *resources) -> Any:
     """``cfg`` with the resources' non-semantic overrides applied (semantic changes are refused)."""
-    from lm_pipeline.config import apply_overrides
-    from lm_pipeline.config import RunConfig
+    from lm_pipeline.config import RunConfig, apply_overrides
     from lm_pipeline.fingerprint import semantic_view
     from lm_pipeline.schema import from_dict, to_dict
 

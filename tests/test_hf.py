@@ -30,8 +30,10 @@ from lm_pipeline.models import Gpt2Config, LlamaConfig, LmConfig
 from lm_pipeline.models.layers import named_params, replace_params
 from lm_pipeline.schema import ConfigError, from_dict
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+
+def hf_libs():
+    """(torch, transformers), or skip: only the parity checks need them."""
+    return pytest.importorskip("torch"), pytest.importorskip("transformers")
 
 TOK_VOCAB = 300  # tiny_tokenizer's vocabulary
 PADDED = 320  # the models' (padded) vocabulary
@@ -68,6 +70,7 @@ def ids(b: int, t: int, high: int = TOK_VOCAB, seed: int = 0) -> np.ndarray:
 
 
 def hf_logits(path: str, x: np.ndarray) -> np.ndarray:
+    torch, transformers = hf_libs()
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor(x)).logits.numpy()
@@ -121,7 +124,7 @@ def test_exported_model_matches_in_transformers(exported, tokdir):
     ours = np.asarray(fwd(model, x.astype(np.int32)))[..., :TOK_VOCAB]
     close_rel(ours, ref)
 
-    tok = transformers.AutoTokenizer.from_pretrained(out)
+    tok = hf_libs()[1].AutoTokenizer.from_pretrained(out)
     text = "naïve café 日本語 x 42"
     assert tok(text)["input_ids"] == load_tokenizer(tokdir).encode(text).ids
     assert tok.eos_token_id == info.eos_id
@@ -129,6 +132,7 @@ def test_exported_model_matches_in_transformers(exported, tokdir):
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_transformers_model_imports_with_same_logits(family, tmp_path):
+    torch, transformers = hf_libs()
     cfg = dataclasses.replace(CONFIGS[family], tie_word_embeddings=True, use_bias=True) if family == "llama" else CONFIGS[family]
     from lm_pipeline.models.hf_mapping import hf_config
 
@@ -175,7 +179,7 @@ def test_export_import_export_is_byte_identical(dtype, shard, tmp_path, tokdir):
 
 def test_transformers_pipeline_generates_text(tmp_path, tokdir):
     out = export_hf(make(GPT2), tmp_path / "gpt2", tokenizer_dir=tokdir)
-    generator = transformers.pipeline("text-generation", model=out, device="cpu")
+    generator = hf_libs()[1].pipeline("text-generation", model=out, device="cpu")
     res = generator("alpha beta", max_new_tokens=6, do_sample=False)
     assert isinstance(res[0]["generated_text"], str) and res[0]["generated_text"].startswith("alpha beta")
 
@@ -263,3 +267,17 @@ def test_export_config_and_sizes():
         with pytest.raises(ConfigError) as e:
             from_dict(ExportConfig, data)
         assert e.value.path == path
+
+
+def test_export_hook_writes_every_n_steps(tmp_path, tokdir):
+    from types import SimpleNamespace
+
+    from lm_pipeline.hf import export_hook
+
+    assert export_hook(ExportConfig(), run_dir=str(tmp_path)) is None
+    hook = export_hook(ExportConfig(hf_save_steps=5, dtype="bfloat16"), run_dir=str(tmp_path), tokenizer_dir=tokdir)
+    assert hook.every == 5
+    hook.fn(SimpleNamespace(step=10, state=SimpleNamespace(model=make(GPT2)), metrics={}))
+    out = tmp_path / "hf" / "step-10"
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()

@@ -54,6 +54,7 @@ from lm_pipeline.models.layers import (
     Mlp,
     decode_mask,
     dropout,
+    lm_logits,
     logical_axes,
     normal,
     scan_blocks,
@@ -209,7 +210,7 @@ class Gpt2Model(LmModel):
         return scan_blocks(apply, self.blocks, x, xs, checkpoint=cfg.gradient_checkpointing and cache is None)
 
     def _logits(self, x):
-        return jnp.einsum("btd,vd->btv", self.ln_f(x), self.token_embeddings)
+        return lm_logits(self.ln_f(x), self.token_embeddings)
 
     def param_axes(self):
         return logical_axes(self)

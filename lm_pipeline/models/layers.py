@@ -136,6 +136,36 @@ def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
     return y if b is None else y + b
 
 
+# ----------------------------------------------------------------------------- LM head
+
+
+@jax.custom_vjp
+def lm_logits(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Logits ``x [B, T, D] @ w[V, D]^T -> [B, T, V]`` (``einsum("btd,vd->btv")``).
+
+    Same values as the einsum; only the backward pass is written by hand. Autodiff computes
+    ``dW = g^T x`` with the contraction over ``g``'s leading (batch x time) axes, and XLA:CPU then
+    writes a transposed copy of ``g``, the largest array of a small model's step, before the dot.
+    ``dW = (x^T g)^T`` reads ``g`` as it lies and transposes only the ``[D, V]`` result
+    (``bench/train_throughput.py``: about 1.1x on a 4-layer, width-128, 8k-vocab GPT-2 step).
+    """
+    return jnp.einsum("btd,vd->btv", x, w)
+
+
+def _lm_logits_fwd(x, w):
+    return lm_logits(x, w), (x, w)
+
+
+def _lm_logits_bwd(res, g):
+    x, w = res
+    dx = jnp.einsum("btv,vd->btd", g, w)
+    dw = jnp.einsum("btd,btv->dv", x, g).T
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+lm_logits.defvjp(_lm_logits_fwd, _lm_logits_bwd)
+
+
 # ----------------------------------------------------------------------------- attention
 
 

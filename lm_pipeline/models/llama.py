@@ -51,6 +51,7 @@ from lm_pipeline.models.layers import (
     Mlp,
     RmsNorm,
     decode_mask,
+    lm_logits,
     logical_axes,
     normal,
     rotary_cos_sin,
@@ -206,7 +207,7 @@ class LlamaModel(LmModel):
 
     def _logits(self, x):
         head = self.token_embeddings if self.lm_head is None else self.lm_head
-        return jnp.einsum("btd,vd->btv", self.norm(x), head)
+        return lm_logits(self.norm(x), head)
 
     def param_axes(self):
         return logical_axes(self)

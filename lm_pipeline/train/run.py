@@ -69,7 +69,7 @@ def train(
     train_data: SequenceDataset,
     vocab_size: int,
     eval_data: Mapping[str, SequenceDataset] | None = None,
-    eval_bytes: Mapping[str, int] | None = None,
+    eval_bytes_per_token: Mapping[str, float] | None = None,
     data_fingerprint: str | None = None,
     run_id: str | None = None,
     run_dir: str | None = None,
@@ -82,6 +82,8 @@ def train(
         train_data: packed training sequences (the token cache's layout, or any SequenceDataset).
         vocab_size: the tokenizer's vocabulary size.
         eval_data: named validation sets, evaluated every ``trainer.steps_per_eval`` steps.
+        eval_bytes_per_token: per validation set, UTF-8 bytes per token of its text, for the
+            ``eval/<set>/bpb`` metric (the set's average; the eval report counts bytes exactly).
         run_id: names the run (logs, trackers); default derived from the config's fingerprint.
         run_dir: where checkpoints and logs go; default ``<checkpointer.base_path>/<run_id>``.
         extra_checkpoint_files: files copied into every ``step-N`` dir (e.g. the tokenizer).
@@ -141,8 +143,8 @@ def train(
         metrics: dict[str, float] = {}
         for name, r in res.items():
             metrics[f"eval/{name}/loss"] = r["loss"]
-            if eval_bytes and eval_bytes.get(name):
-                metrics[f"eval/{name}/bpb"] = r["loss"] * r["tokens"] / math.log(2) / eval_bytes[name]
+            if eval_bytes_per_token and eval_bytes_per_token.get(name):
+                metrics[f"eval/{name}/bpb"] = r["loss"] / math.log(2) / eval_bytes_per_token[name]
         total_tokens = sum(r["tokens"] for r in res.values())
         metrics["eval/loss"] = sum(r["loss"] * r["tokens"] for r in res.values()) / max(total_tokens, 1.0)
         metrics["eval/macro_loss"] = float(np.mean([r["loss"] for r in res.values()]))

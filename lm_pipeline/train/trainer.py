@@ -46,16 +46,51 @@ def next_token_loss_sums(logits: jax.Array, tokens: jax.Array, segment_ids: jax.
 
     Position t predicts token t+1 of the same row; with segment ids, only within a document
     and never into padding.
+
+    Computed over all T positions with the last one masked out (slicing the ``[B, T, V]``
+    logits to ``T - 1`` costs a copy forward and a pad backward), by :func:`_xent_sum`.
     """
-    logits = logits[:, :-1].astype(jnp.float32)
-    targets = tokens[:, 1:]
+    b, t = tokens.shape
+    # Target of the last position is a placeholder (masked).
+    targets = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+    has_next = jnp.arange(t) < t - 1
     if segment_ids is None:
-        mask = jnp.ones(targets.shape, jnp.float32)
+        mask = jnp.broadcast_to(has_next, (b, t)).astype(jnp.float32)
     else:
-        mask = ((segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)).astype(jnp.float32)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum((logz - picked) * mask), jnp.sum(mask)
+        nxt = jnp.concatenate([segment_ids[:, 1:], segment_ids[:, :1]], axis=1)
+        mask = (has_next & (nxt == segment_ids) & (nxt != 0)).astype(jnp.float32)
+    return _xent_sum(logits, targets, mask), jnp.sum(mask)
+
+
+@jax.custom_vjp
+def _xent_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+    """``sum(mask * (logsumexp(logits) - logits[targets]))`` in f32, with a hand-written VJP.
+
+    The gradient wrt the logits is ``(softmax(logits) - onehot(targets)) * mask``, one fused pass
+    over the ``[B, T, V]`` array, instead of autodiff's exp / multiply / scatter-add passes.
+    ``targets`` and ``mask`` get no gradient.
+    """
+    return _xent_fwd(logits, targets, mask)[0]
+
+
+def _xent_fwd(logits, targets, mask):
+    lf = logits.astype(jnp.float32)
+    m = jnp.max(lf, axis=-1)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    logz = m + jnp.log(jnp.sum(jnp.exp(lf - m[..., None]), axis=-1))
+    picked = jnp.take_along_axis(lf, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum((logz - picked) * mask), (logits, targets, mask, logz)
+
+
+def _xent_bwd(res, g):
+    logits, targets, mask, logz = res
+    probs = jnp.exp(logits.astype(jnp.float32) - logz[..., None])
+    onehot = jnp.arange(logits.shape[-1], dtype=targets.dtype) == targets[..., None]
+    dlogits = (probs - onehot.astype(jnp.float32)) * (g * mask)[..., None]
+    return dlogits.astype(logits.dtype), None, None
+
+
+_xent_sum.defvjp(_xent_fwd, _xent_bwd)
 
 
 def cast_floating(tree: Any, dtype) -> Any:

@@ -1,0 +1,83 @@
+"""``python -m assets``: the Dagster CLI on this code location with a persistent local instance.
+
+Dagster picks its instance from ``$DAGSTER_HOME`` before it loads any code; without it the CLI
+uses a temporary instance that is deleted on exit. This wrapper sets ``DAGSTER_HOME`` to
+``<repo>/.dagster_home`` when it is unset (creating it, with a dagster.yaml for SQLite storage),
+so lineage and history persist with nothing exported::
+
+    python -m assets materialize          # all six lineage assets (dagster job execute -j pipeline)
+    python -m assets materialize --select train_ckpt   # any selection (dagster asset materialize)
+    python -m assets dev [-p 3000]        # the UI and daemon (sensors, schedules): dagster dev
+    python -m assets home                 # print the instance directory
+    python -m assets dagster ARGS...      # any other dagster command, same instance
+
+The experiment comes from ``$LM_PIPELINE_EXPERIMENT`` / ``$LM_PIPELINE_OVERRIDES`` as usual.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_HOME = REPO_ROOT / ".dagster_home"
+TEMPLATE = Path(__file__).resolve().parent / "dagster.yaml"
+MODULE = "assets.definitions"
+JOB = "pipeline"
+
+
+def ensure_home(environ: dict[str, str] | None = None) -> Path:
+    """``$DAGSTER_HOME`` (made absolute), else ``<repo>/.dagster_home``; created with a dagster.yaml."""
+    env = os.environ if environ is None else environ
+    home = Path(env.get("DAGSTER_HOME") or DEFAULT_HOME).expanduser().resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    cfg = home / "dagster.yaml"
+    if not cfg.exists() and TEMPLATE.exists():
+        shutil.copyfile(TEMPLATE, cfg)
+    env["DAGSTER_HOME"] = str(home)
+    return home
+
+
+def dagster_args(argv: list[str]) -> list[str] | None:
+    """The ``dagster`` command line for ``python -m assets ARGS`` (None: handled here)."""
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        return None
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "materialize":
+        if any(a == "--select" or a.startswith("--select=") for a in rest):
+            return ["asset", "materialize", "-m", MODULE, *rest]
+        return ["job", "execute", "-m", MODULE, "-j", JOB, *rest]
+    if cmd == "dev":
+        return ["dev", "-m", MODULE, *rest]
+    if cmd == "dagster":
+        return rest
+    if cmd == "home":
+        return None
+    raise SystemExit(f"unknown command {cmd!r}; use materialize, dev, home or dagster (see python -m assets --help)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = dagster_args(argv)
+    if args is None:
+        if argv and argv[0] == "home":
+            print(ensure_home())
+            return 0
+        print(__doc__)
+        return 0
+    home = ensure_home()
+    print(f"DAGSTER_HOME={home}", file=sys.stderr)
+    from dagster._cli import main as dagster_main
+
+    sys.argv = ["dagster", *args]
+    try:
+        dagster_main()
+    except SystemExit as e:  # click exits
+        return int(e.code or 0) if not isinstance(e.code, str) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
