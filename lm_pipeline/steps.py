@@ -544,9 +544,8 @@ class Pipeline:
         cache = self.token_cache()
 
         def build(path: str):
-            from lm_pipeline.train.run import train
-
             from lm_pipeline.hf import export_hook
+            from lm_pipeline.train.run import train
             from lm_pipeline.train.trainer import StepInfo
 
             train_ds, evals, tok_dir, vocab = self.datasets(cache)
