@@ -21,13 +21,18 @@ Method: one process; per shape, every variant is built, compiled and warmed up, 
 windows run round-robin (the order rotates every round, with a short pause between windows
 so one framework's spinning worker threads do not eat into the next one's window). Reported:
 the median tokens/s over the windows with min/max and IQR; each ratio is a ratio of medians,
-with the range of the per-round ratios beside it. Threads: torch uses all cores
-(``torch.set_num_threads``), XLA's CPU client uses all cores by default.
+with the range of the per-round ratios and the best-window / best-window ratio beside it,
+and how many cores other processes on the machine used during the windows (from
+``/proc/stat``): on a shared machine that number says how far to trust the rest. Threads:
+torch uses all cores (``torch.set_num_threads``), XLA's CPU client uses all cores by default.
+JAX's compile time is its first step's time (trace + compile + one step) minus a median step.
 
 tcmalloc: when the library exists and ``LD_PRELOAD`` is not set, the script re-executes itself
 with tcmalloc preloaded (both frameworks then use it); ``--no-tcmalloc`` measures glibc malloc.
 
-    python bench/train_throughput.py [--shapes tiny,medium] [--windows 7] [--quick] [--no-tcmalloc]
+    python bench/train_throughput.py [--shapes tiny,medium] [--windows 7] [--quick] [--no-tcmalloc] [--verbose]
+
+``--quick`` shortens the windows and the warm-up (a smoke test; noisier).
 
 The last line is ``RESULT {json}``: ``ratio`` is the smallest of the equal-precision ratios
 (JAX f32 / torch f32 and JAX bf16 / torch bf16-autocast, per shape).

@@ -81,20 +81,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 from lm_pipeline.schema import ConfigError
 
 # --- calibrated constants (see the module docstring) ------------------------------------------
 
-HEAD_GRAD_BUFFERS = 1.5
+HEAD_GRAD_BUFFERS = 1.0
 """[B, T, V] f32 buffers of the loss/head backward on top of the saved logits residuals."""
 
-LAYER_BWD_FACTOR = 0.5
-"""Cotangent working set of one layer's backward, as a multiple of the layer's saved
-(non-attention) tensors."""
-
-ATTN_BWD_FACTOR = 1.0
-"""The same for the layer's [.., T, T] attention tensors."""
+ATTN_BWD_FACTOR = 0.5
+"""Working set of one layer's attention backward (the f32 score / probability cotangents), as
+a multiple of that layer's saved [.., T, T] attention tensors."""
 
 CPU_ACTIVATION_BYTES = 4
 """Bytes per element of sub-f32 activations on XLA:CPU (which upcasts bf16 arithmetic)."""
@@ -145,7 +143,8 @@ class Estimate:
     optimizer: int
     gradients: int
     grad_accumulator: int
-    compute_copy: int
+    compute_copy: int  # parameters in the compute dtype as the step uses them (gathered under FSDP)
+    backward_gradients: int  # f32 gradients while the backward pass runs (unsharded under FSDP)
     batch: int
     update_buffer: int
     activations_remat: Activations
@@ -162,8 +161,18 @@ class Estimate:
 
     def total_for(self, gradient_checkpointing: bool) -> int:
         act = (self.activations_remat if gradient_checkpointing else self.activations_no_remat).peak
-        fixed = self.params + self.optimizer + self.batch + self.gradients + self.grad_accumulator + self.compute_copy
-        return fixed + max(act, self.update_buffer)
+        backward = self.compute_copy + self.backward_gradients + self.grad_accumulator + act
+        return self.persistent + max(backward, self.gradients + self.update_buffer)
+
+    @property
+    def persistent(self) -> int:
+        """Bytes alive for the whole step (the step's arguments): parameters, optimizer state, batch."""
+        return self.params + self.optimizer + self.batch
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether parameters are sharded over the data axis (gathered for compute)."""
+        return self.backward_gradients > self.gradients
 
     @property
     def total(self) -> int:
@@ -207,7 +216,10 @@ class Estimate:
         if self.grad_accumulator:
             row("gradient accumulator (f32)", self.grad_accumulator)
         if self.compute_copy:
-            row(f"parameters in compute dtype ({self.compute_dtype})", self.compute_copy)
+            gathered = ", gathered over data" if self.fsdp else ""
+            row(f"parameters in compute dtype ({self.compute_dtype}{gathered})", self.compute_copy)
+        if self.fsdp:
+            row("gradients during backward (f32, unsharded)", self.backward_gradients)
         row("batch (token ids)", self.batch)
         row(f"activations (checkpointing {remat}), peak", self.activations)
         row("  saved for backward", act.saved)
@@ -217,8 +229,9 @@ class Estimate:
         row("    logits / cross-entropy", act.logits)
         row("  loss/head backward working set", act.head_backward)
         row("  layer backward working set", act.layer_backward)
-        if self.update_buffer > self.activations:
-            row("optimizer update buffer (> activations)", self.update_buffer)
+        backward = self.compute_copy + self.backward_gradients + self.grad_accumulator + self.activations
+        if self.gradients + self.update_buffer > backward:
+            row("optimizer update buffer (the larger phase)", self.update_buffer)
         lines.append("-" * 75)
         row("total (estimated peak)", self.total)
         other = not self.gradient_checkpointing
@@ -276,10 +289,11 @@ def _abstract_model(model_cfg, vocab_size: int):
     return eqx.filter_eval_shape(make, jax.ShapeDtypeStruct((2,), jnp.uint32))
 
 
-def _shard_factor(spec, shape, mapping: dict, mesh_shape: dict) -> int:
-    """How many ways a parameter is split: :meth:`MeshPlan.param_shardings`, in arithmetic."""
+def _shard_factors(spec, shape, mapping: dict, mesh_shape: dict) -> tuple[int, int]:
+    """How many ways a parameter is split, in total and over the ``data`` axis alone:
+    :meth:`MeshPlan.param_shardings`, in arithmetic."""
     used: set[str] = set()
-    factor = 1
+    factor = data = 1
     for i, name in enumerate(spec):
         axis = mapping.get(name) if name is not None else None
         if axis is not None and (axis in used or shape[i] % mesh_shape[axis]):
@@ -287,7 +301,8 @@ def _shard_factor(spec, shape, mapping: dict, mesh_shape: dict) -> int:
         if axis is not None:
             used.add(axis)
             factor *= mesh_shape[axis]
-    return factor
+            data *= mesh_shape[axis] if axis == "data" else 1
+    return factor, data
 
 
 def _sharded_bytes(leaf, factor: int, dtype=None) -> int:
@@ -359,20 +374,20 @@ class _Saved:
 def _classify(res, *, seq_len: int, vocab: int, mlp_dims: tuple[int, ...], model_size: int, act_bytes: int | None) -> _Saved:
     total = attention = logits = 0
     for x in res:
-        itemsize = jnp.dtype(x.dtype).itemsize
-        if act_bytes is not None and jnp.issubdtype(x.dtype, jnp.floating) and itemsize < act_bytes:
-            itemsize = act_bytes
-        n = math.prod(x.shape) * itemsize
         # [.., T, T] attention tensors: [L, B, K, G, T, T] / [B, K, G, T, T] / [B, 1, T, T] masks
         # (dims >= 5, or a 4-d boolean: a 4-d float [L, B, T, D] may have D == T).
         ndim = len(x.shape)
         is_attn = ndim >= 4 and tuple(x.shape[-2:]) == (seq_len, seq_len) and (ndim >= 5 or x.dtype == jnp.bool_)
-        is_logit = ndim >= 2 and x.shape[-1] == vocab
+        is_logit = ndim >= 2 and x.shape[-1] == vocab and not is_attn
+        itemsize = jnp.dtype(x.dtype).itemsize
+        if act_bytes is not None and not is_logit and jnp.issubdtype(x.dtype, jnp.floating) and itemsize < act_bytes:
+            itemsize = act_bytes  # XLA:CPU upcasts elementwise work; the LM head's dot output stays bf16
+        n = math.prod(x.shape) * itemsize
         if model_size > 1 and (ndim >= 5 or is_logit or any(d in mlp_dims for d in x.shape)):
             n = -(-n // model_size)
         total += n
         attention += n if is_attn else 0
-        logits += n if is_logit and not is_attn else 0
+        logits += n if is_logit else 0
     return _Saved(total, attention, logits)
 
 
@@ -397,13 +412,14 @@ def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments
     full = per_layer if not remat else _Saved(
         *(b - a for a, b in zip(dataclasses.astuple(saved(1, False)), dataclasses.astuple(saved(2, False)), strict=True))
     )
-    logits_f32 = batch * model_cfg.seq_len * vocab * 4 // (model_size if model_size > 1 and vocab % model_size == 0 else 1)
-    head = total + int(HEAD_GRAD_BUFFERS * logits_f32)
+    # The logits' cotangent is computed in f32 (softmax - onehot), then cast.
+    logits_grad = batch * model_cfg.seq_len * vocab * 4
+    logits_grad //= model_size if model_size > 1 and vocab % model_size == 0 else 1
+    head = total + int(HEAD_GRAD_BUFFERS * logits_grad)
     # Layer backward: everything saved but the logits residuals, the recomputed layer (with
-    # checkpointing), and the cotangent working set of one layer's backward.
+    # checkpointing), and the attention backward's working set.
     recomputed = full.total if remat else 0
-    working = LAYER_BWD_FACTOR * (full.total - full.attention) + ATTN_BWD_FACTOR * full.attention
-    layer = total - logits + recomputed + int(working)
+    layer = total - logits + recomputed + int(ATTN_BWD_FACTOR * full.attention)
     return Activations(
         saved=total, saved_per_layer=per_layer.total, attention=attention, logits=logits,
         head_backward=head, layer_backward=layer,
@@ -466,15 +482,20 @@ def estimate(
     axes = abstract.param_axes()
     mapping = axis_mappings(tc)[0]
     mesh_shape = {"data": data_size, "model": model_size}
-    factors = jax.tree.map(lambda s, p: _shard_factor(s, p.shape, mapping, mesh_shape), axes, params)
-    leaves = list(zip(jax.tree.leaves(params), jax.tree.leaves(factors), strict=True))
-    num_params = sum(math.prod(p.shape) for p, _ in leaves)
-    param_bytes = sum(_sharded_bytes(p, f) for p, f in leaves)
-    grad_bytes = sum(_sharded_bytes(p, f, jnp.float32) for p, f in leaves)
-    compute_copy = sum(
-        _sharded_bytes(p, f, compute) for p, f in leaves
-        if jnp.issubdtype(p.dtype, jnp.floating) and jnp.dtype(p.dtype) != compute
-    )
+    param_leaves, treedef = jax.tree.flatten(params)
+    specs = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, P))
+    both = [_shard_factors(s, p.shape, mapping, mesh_shape) for s, p in zip(specs, param_leaves, strict=True)]
+    factors = jax.tree.unflatten(treedef, [f for f, _ in both])
+    leaves = [(p, f, d) for p, (f, d) in zip(param_leaves, both, strict=True)]
+    num_params = sum(math.prod(p.shape) for p, _, _ in leaves)
+    param_bytes = sum(_sharded_bytes(p, f) for p, f, _ in leaves)
+    grad_bytes = sum(_sharded_bytes(p, f, jnp.float32) for p, f, _ in leaves)
+    # FSDP: parameters sharded over ``data`` are gathered for compute (in the compute dtype) and
+    # their f32 gradients exist unsharded over ``data`` until reduce-scattered.
+    floating = [(p, f, d) for p, f, d in leaves if jnp.issubdtype(p.dtype, jnp.floating)]
+    compute_copy = sum(_sharded_bytes(p, f // d, compute) for p, f, d in floating
+                       if d > 1 or jnp.dtype(p.dtype) != compute)
+    backward_grads = sum(_sharded_bytes(p, f // d, jnp.float32) for p, f, d in leaves)
     opt_bytes = _optimizer_bytes(cfg.optimizer, params, axes, factors)
     rows = -(-tc.train_batch_size // data_size)
     batch_bytes = rows * mc.seq_len * 4 * (2 if segments else 1)
@@ -504,6 +525,7 @@ def estimate(
         gradients=grad_bytes,
         grad_accumulator=grad_bytes if accum > 1 else 0,
         compute_copy=compute_copy,
+        backward_gradients=backward_grads,
         batch=batch_bytes,
         update_buffer=grad_bytes,
         activations_remat=acts[True],
