@@ -24,7 +24,9 @@ the median tokens/s over the windows with min/max and IQR; each ratio is a ratio
 with the range of the per-round ratios and the best-window / best-window ratio beside it,
 and how many cores other processes on the machine used during the windows (from
 ``/proc/stat``): on a shared machine that number says how far to trust the rest. Threads:
-torch uses all cores (``torch.set_num_threads``), XLA's CPU client uses all cores by default.
+torch uses all cores (``torch.set_num_threads``), XLA's CPU client uses all cores by default; ``--threads 1``
+runs both single-threaded (on a busy machine torch's two OpenMP threads lose far more to
+preemption than one thread does, so this is the fairer comparison there).
 JAX's compile time is its first step's time (trace + compile + one step) minus a median step.
 
 tcmalloc: when the library exists and ``LD_PRELOAD`` is not set, the script re-executes itself
@@ -315,6 +317,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pause", type=float, default=0.2, help="seconds of idle between windows")
     p.add_argument("--quick", action="store_true", help="short windows (a smoke test; noisier)")
     p.add_argument("--no-tcmalloc", action="store_true", help="do not preload tcmalloc (glibc malloc)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads for both frameworks (default: all cores); fewer sets torch.set_num_threads and "
+                        "XLA's intra_op_parallelism_threads (1: also --xla_cpu_multi_thread_eigen=false)")
     p.add_argument("--verbose", action="store_true", help="print every window")
     args = p.parse_args(argv)
     allocator = ensure_allocator(not args.no_tcmalloc)
@@ -329,14 +334,21 @@ def main(argv: list[str] | None = None) -> None:
         if s not in SHAPES:
             p.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
 
+    cores = os.cpu_count() or 1
+    threads = args.threads or cores
+    if threads < cores:  # XLA reads its thread settings when the backend starts
+        flags = [f"intra_op_parallelism_threads={threads}"]
+        if threads == 1:
+            flags.insert(0, "--xla_cpu_multi_thread_eigen=false")
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
+
     import jax
     import torch
 
-    threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     print(f"allocator: {allocator}")
     print(f"jax {jax.__version__} ({jax.devices()[0].platform}, {jax.device_count()} device), torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), {threads} cores, load {loadavg():.1f}")
+          f"({torch.get_num_threads()} threads), XLA {threads} threads, {cores} cores, load {loadavg():.1f}")
     print(f"vocab {VOCAB}; windows {args.windows} x ~{args.window_s}s per variant, alternated")
     results, rat = {}, {}
     for s in shapes:

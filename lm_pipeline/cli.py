@@ -9,6 +9,7 @@ values parsed as YAML); the config is validated before any compute starts.
     lm-pipeline eval     --config_path ... --checkpoint_path RUN_OR_STEP_DIR [--output_dir DIR]
     lm-pipeline export   --checkpoint_path STEP_DIR --output_dir DIR
     lm-pipeline generate --checkpoint_path STEP_DIR --prompt "def main(" [--temperature 0.8]
+    lm-pipeline estimate --config_path ... [--num_devices 8] [--budget_gib 80]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ COMMANDS = {
     "eval": "evaluate a checkpoint on the config's validation sets (loss, perplexity, bits-per-byte)",
     "export": "export a checkpoint as a Hugging Face transformers directory",
     "generate": "sample text from a checkpoint",
+    "estimate": "parameters, FLOPs per token and memory per device for the configured model, mesh and batch",
 }
 
 
@@ -42,6 +44,11 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
         p.add_argument("--checkpoint_path", required=True, help="a step-N dir, or a run dir (its latest checkpoint)")
     if cmd in ("eval", "export"):
         p.add_argument("--output_dir", required=cmd == "export", default=None)
+    if cmd == "estimate":
+        p.add_argument("--num_devices", type=int, default=None, help="default: the devices JAX sees")
+        p.add_argument("--vocab_size", type=int, default=None, help="default: data.tokenizer.vocab_size")
+        p.add_argument("--budget_gib", type=float, default=None, help="also pick the largest micro-batch that fits")
+        p.add_argument("--json", action="store_true")
     if cmd == "generate":
         p.add_argument("--prompt", action="append", required=True, help="may be given several times (a batch)")
         p.add_argument("--max_new_tokens", type=int, default=64)
@@ -86,6 +93,25 @@ def _eval(cfg, ckpt: str, output_dir: str | None) -> int:
     return 0
 
 
+def _estimate(cfg, args: argparse.Namespace) -> int:
+    """Print the estimate (nothing is compiled or allocated)."""
+    import jax
+
+    from lm_pipeline.estimate import auto_micro_batch, estimate
+
+    n = args.num_devices or jax.device_count()
+    est = estimate(cfg, num_devices=n, vocab_size=args.vocab_size)
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=2, default=str))
+    else:
+        print(est.render())
+    if args.budget_gib:
+        budget = int(args.budget_gib * 2**30)
+        print(f"fits in {args.budget_gib} GiB: {est.fits(budget)}; largest micro-batch per device that fits: "
+              f"{auto_micro_batch(cfg, n, budget, args.vocab_size)}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
@@ -116,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print(pipe.plan_text())
             return 0
+        if cmd == "estimate":
+            return _estimate(cfg, args)
         ckpt = _resolve_checkpoint(args.checkpoint_path)
         if cmd == "eval":
             return _eval(cfg, ckpt, args.output_dir)

@@ -4,68 +4,117 @@
 from the config alone: no compilation and no device arrays. Shapes come from tracing with
 ``jax.eval_shape`` (the model's parameters and logical axes, the optimizer state, and the
 tensors autodiff saves for the backward pass); everything else is arithmetic.
-:func:`auto_micro_batch` picks the largest per-device micro-batch that fits a memory budget.
+:func:`auto_micro_batch` picks the largest per-device micro-batch that divides the batch and
+fits a memory budget (for ``trainer.per_device_parallelism: auto``).
 
-What is counted (bytes per device; "sharded" = divided by the mesh axes the parameter axis
-mapping puts on each axis, on a mesh ``data = num_devices / model_axis_size`` x ``model``, and
-only where the axis size divides evenly, exactly as :meth:`MeshPlan.param_shardings` does)
+What is counted
+---------------
+Bytes per device. "Sharded" = divided by the mesh axes the parameter axis mapping
+(:func:`~lm_pipeline.train.sharding.axis_mappings`) puts on each logical axis, on a mesh
+``data = num_devices / model_axis_size`` x ``model = model_axis_size``, and only where the
+axis size divides evenly, exactly as :meth:`MeshPlan.param_shardings` decides.
 
-* **parameters**: each leaf in its own dtype (f32: the trainer keeps master weights in f32),
-  sharded.
-* **optimizer**: the optimizer state as ``OptimizerConfig.build(...).init`` shapes it (AdamW:
-  ``mu`` and ``nu`` in f32 plus a few scalars), sharded like the parameters.
-* **gradients**: f32, sharded like the parameters.
-* **gradient accumulator**: with gradient accumulation (``accum > 1``) the scan carries a
+* **parameters**: every leaf in its dtype (f32: the trainer keeps master weights in f32 and
+  ignores ``mp``'s ``p=``), sharded.
+* **optimizer state**: as ``OptimizerConfig.build(...).init`` shapes it (AdamW: ``mu`` and
+  ``nu`` in f32 plus a few replicated scalars), parameter-shaped leaves sharded like them.
+* **gradients**: f32, sharded like the parameters. Under FSDP (parameters sharded over
+  ``data``) the backward pass produces them unsharded over ``data`` before the reduce-scatter
+  (``backward_gradients``).
+* **gradient accumulator**: with accumulation (``accum > 1``) the micro-batch scan carries a
   second f32 gradient tree.
-* **compute copy**: when ``mp`` computes in another dtype than the parameters' (e.g.
-  ``p=f32,c=bf16``), ``cast_floating`` makes a copy of every parameter in the compute dtype.
-* **batch**: the int32 token (and segment id) arrays of one step.
-* **activations** of one micro-batch (``micro_batch_per_device`` sequences), for gradient
-  checkpointing on and off. The tensors autodiff saves for the backward pass are *traced*,
-  not hand-counted: :func:`saved_activations` runs ``jax.vjp`` of the trainer's own loss
-  (``cast_floating`` -> model -> :func:`~lm_pipeline.train.trainer.next_token_loss_sums`)
-  under ``jax.eval_shape`` for a 1-layer and a 2-layer copy of the model; the difference is
-  one layer's saved tensors (with checkpointing: the block input only, ``[B, T, D]``), and
-  the rest is what does not repeat per layer (embeddings, the final norm, the logits /
-  cross-entropy residuals ``[B, T, V]``). Attention implementations that materialise the
-  ``[B, N, T, T]`` scores and probabilities (``jax.nn.dot_product_attention``'s XLA path,
-  the only one on CPU, and the softmax path with dropout) show up as such residuals; a fused
-  kernel that does not save them would not. Dropout masks are counted when dropout is on.
-  On top of the saved tensors the backward pass needs working buffers, modelled as two
-  phases of which the larger is the peak:
+* **compute copy**: ``cast_floating`` copies every parameter into the compute dtype when it
+  differs (``mp: p=f32,c=bf16``); under FSDP the copy used by the compute is the gathered
+  (unsharded over ``data``) one, whatever the dtype.
+* **batch**: the int32 tokens (and segment ids) of one step.
+* **activations** of one micro-batch (``micro_batch_per_device`` sequences), with gradient
+  checkpointing on and off. The saved tensors are *traced*, not hand-counted:
+  :func:`saved_activations` runs ``jax.vjp`` of the trainer's own loss (compute-dtype
+  parameters -> model -> :func:`~lm_pipeline.train.trainer.next_token_loss_sums`, custom
+  VJPs included) under ``jax.eval_shape`` for a 1-layer and a 2-layer copy of the model. The
+  difference is one layer's saved tensors (without checkpointing: norms, q/k/v, MLP
+  intermediates, and the ``[B, N, T, T]`` attention scores/probabilities whenever the
+  attention implementation materialises them, as ``jax.nn.dot_product_attention``'s XLA path
+  (the default, the only one on CPU) and the dropout softmax path do; with checkpointing: the
+  block input ``[B, T, D]`` only); the rest (x 1) is what does not repeat per layer: the
+  embeddings, final norm and the logits / cross-entropy residuals ``[B, T, V]``. The backward
+  pass adds working buffers; two phases are modelled and the larger is the peak:
 
-  - *loss/head backward*: all saved tensors + ``HEAD_GRAD_BUFFERS`` x ``[B, T, V]`` f32
-    (the logits' cotangent and the buffers XLA allocates around the LM-head matmuls);
-  - *layer backward*: all saved tensors except the logits residuals + the recomputed saved
-    tensors of one layer (gradient checkpointing re-runs the layer's forward) scaled by
-    ``LAYER_BWD_FACTOR`` (``ATTN_BWD_FACTOR`` for its ``[.., T, T]`` attention tensors, whose
-    backward also holds the f32 score and probability cotangents).
+  - *loss/head backward*: all saved tensors + ``HEAD_GRAD_BUFFERS`` x ``[B, T, V]`` f32 (the
+    logits' cotangent, ``softmax - onehot``);
+  - *layer backward*: all saved tensors but the logits residuals + (with checkpointing) one
+    layer's full saved set, recomputed + ``ATTN_BWD_FACTOR`` x that layer's ``[.., T, T]``
+    attention tensors (their f32 cotangents).
 
-* **total** = parameters + optimizer + batch + gradients + gradient accumulator + compute copy
-  + max(activations, optimizer update buffer). The update buffer (one f32 parameter-sized
-  tree: the clipped, scaled update that ``optax.apply_updates`` and the ``update_norm``
-  metric both read) is alive only after the activations are freed, hence the max.
+* **total** (the peak) = parameters + optimizer state + batch (the step's arguments, alive
+  throughout) + the larger of the *backward* phase (compute copy + backward gradients +
+  accumulator + activations) and the *update* phase (gradients + one f32 parameter-sized
+  update buffer, read by ``optax.apply_updates`` and the ``update_norm`` metric).
 
-Sharding of activations: the batch is split over ``data`` (the traces use the per-device
-micro-batch); with tensor parallelism (``model_axis_size > 1``) saved tensors with a heads,
-MLP or vocab dimension (recognised by shape: 4+ dims, or a dimension equal to the MLP width or
-the vocabulary) are divided by ``model_axis_size``. FSDP's all-gathered layer weights, the
-collectives' buffers and TP are *not* calibrated (no multi-device measurements); the
-single-device terms below are.
+With tensor parallelism, saved tensors with a heads / MLP / vocab dimension (recognised by
+shape: 5+ dims, or a dimension equal to the MLP width or the vocabulary) are divided by
+``model_axis_size``; the batch is split over ``data``.
 
 Constants and calibration
 -------------------------
-Calibrated against XLA's buffer assignment of the real train step
-(``build_step_functions(...).train_step.lower(state, tokens, None).compile()
-.memory_analysis()``) on a 1-device CPU mesh, JAX 0.10.2. XLA's figure for the peak is
-``argument_size + output_size - alias_size + temp_size`` (the state is donated, so outputs
-alias arguments; ``temp_size`` is the size of the one temp allocation XLA packs all
-intermediates into, i.e. their peak with reuse). The comparable estimate is :attr:`Estimate.total`.
-CPU-specific: XLA:CPU computes most bf16 elementwise work in f32, so on ``platform="cpu"``
-bf16 activations are counted at 4 bytes (``CPU_ACTIVATION_BYTES``); on GPU/TPU they are
-counted in their traced dtype (not calibrated here: no accelerator was available).
+``HEAD_GRAD_BUFFERS = 1`` and ``ATTN_BWD_FACTOR = 0.5`` were fitted (minimising the worst
+relative error) against XLA's buffer assignment of the real train step:
+``build_step_functions(...).train_step.lower(state, tokens, None).compile().memory_analysis()``
+on a 1-device CPU mesh (JAX 0.10.2, jaxlib CPU). XLA's peak is ``argument_size + output_size -
+alias_size + temp_size``: the state is donated, so outputs alias arguments, and ``temp_size``
+is the one temp allocation XLA packs every intermediate into (their peak, with reuse). That is
+what :attr:`Estimate.total` estimates.
 
-CALIBRATION_TABLE_PLACEHOLDER
+``CPU_ACTIVATION_BYTES = 4``: XLA:CPU performs bf16 elementwise work in f32, and bf16 tensors
+saved into a scan's stacked buffers go through f32. So on ``platform="cpu"`` saved bf16
+tensors count 4 bytes, except the LM head's output, and except (attention's aside) those of
+a stack ``scan_blocks`` unrolls (low precision, no checkpointing, at most
+``layers.UNROLL_MAX_LAYERS`` layers) and of the one layer a checkpointed backward recomputes,
+which XLA keeps in bf16. Counting every bf16 tensor at 2 bytes came out up to 40% low,
+counting all at 4 up to 30% high. On GPU/TPU saved tensors count in their traced dtype, which
+is *not* calibrated (no accelerator was available).
+
+Calibration (total MiB, XLA -> estimate, ratio), D/T/B/V/L/N[/K] = width, seq, micro-batch,
+vocab, layers, heads [/ kv heads], M = MLP width; f32 and ``p=f32,c=bf16``::
+
+    model D/T/B/V/L/N[/K]           M  remat f32         no-remat f32      remat bf16        no-remat bf16
+    gpt2  64/64/4/512/2/4         256  4.9->5.5 1.11     9.6->9.2 0.95     5.1->4.8 0.94     7.2->7.3 1.02
+    llama 64/64/4/512/2/4/4       192  6.0->5.7 0.94     9.9->9.0 0.90     5.2->5.2 0.99     6.9->7.4 1.07
+    gpt2  128/128/8/2048/2/4      512  34.4->37.4 1.09   72.9->74.9 1.03   35.1->31.2 0.89   60.7->57.0 0.94
+    llama 128/128/8/2048/2/4/2    384  41.7->37.6 0.90   69.9->71.7 1.02   34.7->33.1 0.95   56.9->56.4 0.99
+    gpt2  256/256/16/8192/4/8    1024  373->369 0.99     1191->1227 1.03   346->315 0.91     1102->931 0.84
+    llama 256/256/16/8192/4/8/4   768  407->400 0.98     1117->1146 1.02   353->350 0.99     1043->891 0.85
+    gpt2  256/64/8/512/4/4       1024  72.0->74.0 1.03   140.7->131.2 0.93 77.5->72.8 0.94   105.6->106.8 1.01
+    llama 256/64/8/512/4/4/4      768  80.1->76.6 0.96   138.1->124.8 0.90 80.6->77.1 0.96   100.4->104.8 1.04
+    gpt2  64/256/8/1024/2/4       256  44.6->47.9 1.07   102.0->99.0 0.97  46.5->40.8 0.88   88.5->80.1 0.91
+    llama 64/256/8/1024/2/4/1     192  47.8->44.9 0.94   94.9->92.2 0.97   44.9->39.2 0.87   81.9->75.9 0.93
+    gpt2  128/64/4/4096/4/4       256  23.2->25.2 1.09   36.8->39.1 1.06   26.2->25.2 0.96   35.5->34.5 0.97
+    llama 128/64/4/4096/4/4/2     256  32.0->34.0 1.06   45.1->47.4 1.05   33.0->35.2 1.06   40.6->43.6 1.07
+    gpt2  256/32/2/4096/2/8      1024  50.3->50.3 1.00   50.3->50.3 1.00   52.6->50.3 0.96   54.5->50.3 0.92
+    llama 256/32/2/4096/2/8/8     768  72.5->72.5 1.00   72.5->72.5 1.00   68.2->72.5 1.06   70.7->72.5 1.03
+    gpt2  64/128/16/512/6/2       256  30.9->34.3 1.11   152.3->150.1 0.99 30.6->27.5 0.90   120.2->103.5 0.86
+    llama 64/128/16/512/6/2/2     256  38.5->36.2 0.94   159.8->152.0 0.95 31.6->29.0 0.92   115.1->102.3 0.89
+    gpt2  192/256/4/2048/3/6      576  65.4->69.6 1.06   155.9->154.0 0.99 70.9->63.5 0.90   140.2->125.5 0.90
+    llama 192/256/4/2048/3/6/3    960  108.2->96.5 0.89  214.7->197.5 0.92 93.6->88.0 0.94   163.7->156.3 0.95
+    gpt2  128/256/8/8192/2/8      512  156.7->156.6 1.00 290.9->311 1.07   132.0->127.4 0.96 269.4->251.2 0.93
+    llama 128/256/8/8192/2/8/4    384  171.2->172.1 1.01 291.4->312 1.07   139.9->144.8 1.03 267.8->259.2 0.97
+    with segment ids (packed batches):
+    gpt2  128/128/8/2048/2/4      512  34.5->37.5 1.09   72.9->74.9 1.03   -                 -
+    llama 128/128/8/2048/2/4/2    384  42.0->38.0 0.90   70.2->72.1 1.03   -                 -
+    gpt2  192/256/4/2048/3/6      576  -                 -                 71.1->63.8 0.90   140.5->125.6 0.89
+    llama 192/256/4/2048/3/6/3    960  -                 -                 94.0->88.4 0.94   163.8->156.5 0.96
+
+All 88 within 20% (0.84-1.11). Also checked: gradient accumulation
+(micro-batch 2 of 8 sequences: 1.10 and 1.03), pure data parallelism on 8 host devices (1.00),
+tensor parallelism over 2 (1.00), GPT-2 with all dropouts at 0.1 (0.90 and 1.01).
+
+FSDP caveat: on this JAX/XLA the trainer's default FSDP (``fsdp_axis: embed``) does not keep
+activations batch-sharded: with no sharding constraint on activations, XLA's propagation
+follows the ``embed``-sharded weights, so every device computes the whole micro-batch
+(8 host devices, GPT-2 256/256/16/8192/4/8: 269 MiB per device measured vs 118 MiB with
+``fsdp_axis: null``). The estimate assumes the intended behaviour: batch-sharded activations
+and parameters gathered for compute, as measured when the parameters are resharded to the
+compute mapping inside the loss (1.00-1.09 on 4 and 8 host devices).
 """
 
 from __future__ import annotations
@@ -74,7 +123,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
@@ -84,6 +133,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from lm_pipeline.schema import ConfigError
+
+if TYPE_CHECKING:
+    from lm_pipeline.config import RunConfig
 
 # --- calibrated constants (see the module docstring) ------------------------------------------
 
@@ -95,7 +147,7 @@ ATTN_BWD_FACTOR = 0.5
 a multiple of that layer's saved [.., T, T] attention tensors."""
 
 CPU_ACTIVATION_BYTES = 4
-"""Bytes per element of sub-f32 activations on XLA:CPU (which upcasts bf16 arithmetic)."""
+"""Bytes per element of sub-f32 saved tensors on XLA:CPU (see the module docstring)."""
 
 GIB = 1024**3
 MIB = 1024**2
@@ -197,7 +249,8 @@ class Estimate:
         remat = "on" if self.gradient_checkpointing else "off"
         act = self.activations_detail
         lines = [
-            f"model: {self.model_type}, {_count(self.num_params)} parameters, vocab {self.vocab_size}, seq_len {self.seq_len}",
+            f"model: {self.model_type}, {_count(self.num_params)} parameters, "
+            f"vocab {self.vocab_size}, seq_len {self.seq_len}",
             f"compute: {_flops(self.flops_per_token)} FLOPs/token, {_flops(self.flops_per_step)} FLOPs/step "
             f"({self.train_batch_size} x {self.seq_len} tokens)",
             f"mesh: {self.num_devices} device(s) = data {self.data_size} x model {self.model_size}; "
@@ -216,10 +269,10 @@ class Estimate:
         if self.grad_accumulator:
             row("gradient accumulator (f32)", self.grad_accumulator)
         if self.compute_copy:
-            gathered = ", gathered over data" if self.fsdp else ""
-            row(f"parameters in compute dtype ({self.compute_dtype}{gathered})", self.compute_copy)
+            gathered = ", gathered" if self.fsdp else ""
+            row(f"params in compute dtype ({self.compute_dtype}{gathered})", self.compute_copy)
         if self.fsdp:
-            row("gradients during backward (f32, unsharded)", self.backward_gradients)
+            row("gradients in backward (f32, unsharded)", self.backward_gradients)
         row("batch (token ids)", self.batch)
         row(f"activations (checkpointing {remat}), peak", self.activations)
         row("  saved for backward", act.saved)
@@ -234,6 +287,9 @@ class Estimate:
             row("optimizer update buffer (the larger phase)", self.update_buffer)
         lines.append("-" * 75)
         row("total (estimated peak)", self.total)
+        lines.append("(peak = parameters + optimizer + batch + the larger of the backward phase: compute-dtype")
+        lines.append(" params + gradients in backward + accumulator + activations, and the update phase:")
+        lines.append(" gradients + an update buffer of the same size)")
         other = not self.gradient_checkpointing
         lines.append(
             f"(with gradient_checkpointing {'on' if other else 'off'}: total {_size(self.total_for(other))}, "
@@ -275,10 +331,6 @@ def _flops(x: float) -> str:
 
 def _is_array_like(x: Any) -> bool:
     return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
-
-
-def _nbytes(x: Any) -> int:
-    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
 
 @functools.lru_cache(maxsize=32)
@@ -324,14 +376,17 @@ def _optimizer_bytes(opt_cfg, params, axes, factors) -> int:
         pairs = zip(jax.tree.leaves(state), jax.tree.leaves(per_leaf), strict=True)
         return sum(_sharded_bytes(s, int(f)) for s, f in pairs)
     except Exception:  # pragma: no cover - a state optax cannot map: assume AdamW (mu + nu, f32)
-        return 2 * sum(_sharded_bytes(p, f, jnp.float32) for p, f in zip(jax.tree.leaves(params), jax.tree.leaves(factors)))
+        pairs = zip(jax.tree.leaves(params), jax.tree.leaves(factors), strict=True)
+        return 2 * sum(_sharded_bytes(p, f, jnp.float32) for p, f in pairs)
 
 
 # --- traced activations -----------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=256)
-def saved_activations(model_cfg, vocab_size: int, batch: int, compute_dtype: str, segments: bool) -> tuple[jax.ShapeDtypeStruct, ...]:
+def saved_activations(
+    model_cfg, vocab_size: int, batch: int, compute_dtype: str, segments: bool
+) -> tuple[jax.ShapeDtypeStruct, ...]:
     """Shapes of the tensors ``jax.vjp`` of the trainer's loss saves for the backward pass
     (``batch`` sequences), excluding the (compute-dtype) parameters themselves."""
     from lm_pipeline.train.trainer import next_token_loss_sums
@@ -371,7 +426,11 @@ class _Saved:
     logits: int
 
 
-def _classify(res, *, seq_len: int, vocab: int, mlp_dims: tuple[int, ...], model_size: int, act_bytes: int | None) -> _Saved:
+def _classify(
+    res, *, seq_len: int, vocab: int, mlp_dims: tuple[int, ...], model_size: int, act_bytes: int | None,
+    upcast_only_attention: bool = False,
+) -> _Saved:
+    """Bytes of saved tensors: all, the [.., T, T] attention ones and those with a vocab dim."""
     total = attention = logits = 0
     for x in res:
         # [.., T, T] attention tensors: [L, B, K, G, T, T] / [B, K, G, T, T] / [B, 1, T, T] masks
@@ -379,8 +438,9 @@ def _classify(res, *, seq_len: int, vocab: int, mlp_dims: tuple[int, ...], model
         ndim = len(x.shape)
         is_attn = ndim >= 4 and tuple(x.shape[-2:]) == (seq_len, seq_len) and (ndim >= 5 or x.dtype == jnp.bool_)
         is_logit = ndim >= 2 and x.shape[-1] == vocab and not is_attn
-        itemsize = jnp.dtype(x.dtype).itemsize
-        if act_bytes is not None and not is_logit and jnp.issubdtype(x.dtype, jnp.floating) and itemsize < act_bytes:
+        itemsize = x.dtype.itemsize  # also defined for PRNG key dtypes (dropout keys)
+        upcast = act_bytes is not None and not is_logit and (is_attn or not upcast_only_attention)
+        if upcast and jnp.issubdtype(x.dtype, jnp.floating) and itemsize < act_bytes:
             itemsize = act_bytes  # XLA:CPU upcasts elementwise work; the LM head's dot output stays bf16
         n = math.prod(x.shape) * itemsize
         if model_size > 1 and (ndim >= 5 or is_logit or any(d in mlp_dims for d in x.shape)):
@@ -391,6 +451,12 @@ def _classify(res, *, seq_len: int, vocab: int, mlp_dims: tuple[int, ...], model
     return _Saved(total, attention, logits)
 
 
+def _unroll_max_layers() -> int:
+    from lm_pipeline.models import layers
+
+    return int(getattr(layers, "UNROLL_MAX_LAYERS", 0))
+
+
 def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments: bool, *,
                  remat: bool, model_size: int, platform: str) -> Activations:
     cfg = dataclasses.replace(model_cfg, gradient_checkpointing=remat)
@@ -398,20 +464,27 @@ def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments
     mlp = tuple(d for d in (getattr(model_cfg, "mlp_dim", None), getattr(model_cfg, "intermediate_dim", None)) if d)
     act_bytes = CPU_ACTIVATION_BYTES if platform == "cpu" else None
     kw = dict(seq_len=model_cfg.seq_len, vocab=vocab, mlp_dims=mlp, model_size=model_size, act_bytes=act_bytes)
+    # On XLA:CPU, bf16 tensors saved into a scan's stacked buffers go through f32; those of an
+    # unrolled stack (``scan_blocks`` unrolls short low-precision stacks without checkpointing)
+    # or recomputed inside one layer stay bf16, except attention's.
+    unrolled = not remat and layers <= _unroll_max_layers() and jnp.dtype(compute_dtype) != jnp.float32
 
-    def saved(num_layers: int, remat_: bool) -> _Saved:
+    def saved(num_layers: int, remat_: bool, only_attention: bool) -> _Saved:
         c = dataclasses.replace(cfg, num_layers=num_layers, gradient_checkpointing=remat_)
-        return _classify(saved_activations(c, vocab, batch, compute_dtype, segments), **kw)
+        res = saved_activations(c, vocab, batch, compute_dtype, segments)
+        return _classify(res, upcast_only_attention=only_attention, **kw)
 
-    one, two = saved(1, remat), saved(2, remat)
+    one, two = saved(1, remat, unrolled), saved(2, remat, unrolled)
     per_layer = _Saved(two.total - one.total, two.attention - one.attention, two.logits - one.logits)
     total = one.total + (layers - 1) * per_layer.total
     attention = one.attention + (layers - 1) * per_layer.attention
     logits = one.logits + (layers - 1) * per_layer.logits
     # One layer's full saved set (what a checkpointed layer recomputes in its backward pass).
-    full = per_layer if not remat else _Saved(
-        *(b - a for a, b in zip(dataclasses.astuple(saved(1, False)), dataclasses.astuple(saved(2, False)), strict=True))
-    )
+    if remat:
+        one_nr, two_nr = dataclasses.astuple(saved(1, False, True)), dataclasses.astuple(saved(2, False, True))
+        full = _Saved(*(b - a for a, b in zip(one_nr, two_nr, strict=True)))
+    else:
+        full = per_layer
     # The logits' cotangent is computed in f32 (softmax - onehot), then cast.
     logits_grad = batch * model_cfg.seq_len * vocab * 4
     logits_grad //= model_size if model_size > 1 and vocab % model_size == 0 else 1
@@ -437,7 +510,7 @@ def _micro_batch(trainer_cfg, data_size: int, micro_batch_per_device: int | None
 
 
 def estimate(
-    cfg,
+    cfg: RunConfig,
     *,
     num_devices: int,
     vocab_size: int | None = None,
@@ -452,7 +525,7 @@ def estimate(
     micro_batch_per_device: sequences per device per micro-batch; default from
         ``trainer.per_device_parallelism`` (-1: the whole batch, ``train_batch_size / data``).
     platform: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (default: JAX's default backend); on CPU,
-        bf16 activations are counted as f32 (see the module docstring).
+        most saved bf16 tensors are counted as f32 (see the module docstring).
     segments: whether batches carry segment ids (default: ``data.packing`` is not ``concat``).
     """
     from lm_pipeline.train.sharding import axis_mappings
@@ -469,8 +542,13 @@ def estimate(
     model_size = tc.model_axis_size
     data_size = num_devices // model_size
     micro = _micro_batch(tc, data_size, micro_batch_per_device)
-    global_micro = micro * data_size
-    accum = max(1, tc.train_batch_size // global_micro)
+    if tc.train_batch_size % (micro * data_size):
+        raise ConfigError(
+            "trainer.train_batch_size",
+            f"{tc.train_batch_size} is not divisible by the micro-batch ({micro} per device) x "
+            f"data-parallel devices ({data_size}) = {micro * data_size}",
+        )
+    accum = tc.train_batch_size // (micro * data_size)
     platform = (platform or jax.default_backend()).lower()
     if segments is None:
         segments = getattr(cfg.data, "packing", "concat") != "concat"
@@ -501,7 +579,8 @@ def estimate(
     batch_bytes = rows * mc.seq_len * 4 * (2 if segments else 1)
 
     acts = {
-        remat: _activations(mc, vocab, micro, compute.name, segments, remat=remat, model_size=model_size, platform=platform)
+        remat: _activations(mc, vocab, micro, compute.name, segments, remat=remat, model_size=model_size,
+                            platform=platform)
         for remat in (True, False)
     }
     return Estimate(
@@ -542,7 +621,7 @@ def micro_batch_candidates(train_batch_size: int, data_size: int) -> list[int]:
 
 
 def auto_micro_batch(
-    cfg,
+    cfg: RunConfig,
     num_devices: int,
     budget_bytes: float,
     vocab_size: int | None = None,
@@ -577,3 +656,15 @@ def auto_micro_batch(
         f"more than the budget of {_size(budget_bytes)}; use more devices (FSDP shards parameters and "
         "optimizer state), gradient checkpointing, bf16 compute or a smaller model",
     )
+
+
+def device_memory_bytes(device: Any = None) -> int | None:
+    """The memory an accelerator lets XLA use (``memory_stats()["bytes_limit"]``), or None where
+    the backend does not say (CPU): a default budget for :func:`auto_micro_batch`."""
+    device = device if device is not None else jax.local_devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # pragma: no cover - backends without memory stats
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None

@@ -183,8 +183,14 @@ def build_step_functions(
     init = jax.jit(init_arrays, out_shardings=state_shardings)
     batch_sharding = plan.batch_sharding()
 
+    # Parameters at rest follow the parameter mapping (FSDP shards `embed` over `data`); for
+    # compute they are gathered to the compute mapping, so activations stay split by batch
+    # rather than following the weights' sharding.
+    compute_shardings = MeshPlan(plan.mesh, plan.compute_mapping, plan.compute_mapping).param_shardings(axes, model_arrays)
+
     def loss_sums(params, tokens, seg, key):
-        model = eqx.combine(cast_floating(params, precision.compute), model_static)
+        params = jax.lax.with_sharding_constraint(cast_floating(params, precision.compute), compute_shardings)
+        model = eqx.combine(params, model_static)
         logits = model(tokens, seg, key=key, inference=not dropout_active)
         return next_token_loss_sums(logits, tokens, seg)
 

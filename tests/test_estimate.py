@@ -1,0 +1,173 @@
+"""The pre-run estimate: parameter count, FSDP arithmetic, activations, micro-batch choice, and
+agreement with XLA's memory analysis of the real train step (a few tiny compiles)."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+from lm_pipeline.config import load_config
+from lm_pipeline.estimate import Estimate, auto_micro_batch, estimate, micro_batch_candidates
+from lm_pipeline.schema import ConfigError
+from lm_pipeline.train.sharding import make_mesh
+from lm_pipeline.train.trainer import build_step_functions
+
+VOCAB = 512
+
+GPT2 = {
+    "model.type": "gpt2", "model.seq_len": 64, "model.hidden_dim": 64, "model.num_heads": 4, "model.num_layers": 2,
+    "trainer.train_batch_size": 4, "trainer.mp": "f32",
+}
+LLAMA = {
+    "model.type": "llama", "model.seq_len": 64, "model.hidden_dim": 64, "model.num_heads": 4, "model.num_kv_heads": 2,
+    "model.intermediate_dim": 128, "model.num_layers": 2, "trainer.train_batch_size": 4, "trainer.mp": "f32",
+}
+
+
+def cfg_of(base: dict, **over):
+    return load_config(None, {**base, **{k.replace("__", "."): v for k, v in over.items()}})
+
+
+def est(cfg, n: int = 1, **kw) -> Estimate:
+    return estimate(cfg, num_devices=n, vocab_size=VOCAB, platform="cpu", segments=False, **kw)
+
+
+@pytest.mark.parametrize(
+    "base, over",
+    [(GPT2, {}), (GPT2, {"model.use_bias": False}), (LLAMA, {}), (LLAMA, {"model.tie_word_embeddings": True, "model.use_bias": True})],
+)
+def test_num_params_is_the_real_leaf_count(base, over):
+    cfg = load_config(None, {**base, **over})
+    model = cfg.model.build(VOCAB, key=jax.random.key(0))
+    leaves = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    e = est(cfg)
+    assert e.num_params == sum(x.size for x in leaves) == cfg.model.num_params(VOCAB)
+    assert e.params == sum(x.nbytes for x in leaves)  # f32 master weights, 1 device
+    assert e.gradients == e.params
+    assert e.flops_per_token == cfg.model.flops_per_token(VOCAB)
+
+
+def test_fsdp_shards_params_grads_and_optimizer_as_one_over_n():
+    # Every Llama parameter (no biases) has an `embed` axis of 64, divisible by 8.
+    cfg = cfg_of(LLAMA, trainer__train_batch_size=16)
+    one = est(cfg, 1)
+    assert one.optimizer >= 2 * one.params  # AdamW mu + nu in f32 (+ scalars)
+    for n in (2, 4, 8):
+        e = est(cfg, n)
+        assert e.data_size == n and e.micro_batch_per_device == 16 // n
+        assert e.params * n == one.params
+        assert e.gradients * n == one.gradients
+        # mu and nu shard exactly; the handful of optimizer scalars are replicated.
+        assert abs(e.optimizer * n - one.optimizer) <= n * 64
+    # Plain data parallelism (fsdp_axis null): nothing shrinks.
+    dp = est(cfg_of(LLAMA, trainer__train_batch_size=16, trainer__fsdp_axis=None), 8)
+    assert (dp.params, dp.gradients, dp.optimizer) == (one.params, one.gradients, one.optimizer)
+
+
+def test_tensor_parallel_shards_only_mapped_axes():
+    cfg = cfg_of(LLAMA, trainer__model_axis_size=2, trainer__fsdp_axis=None)
+    one, tp = est(cfg_of(LLAMA), 1), est(cfg, 2)
+    assert (tp.data_size, tp.model_size) == (1, 2)
+    # heads / kv_heads / mlp / vocab shard, norms do not: strictly between 1/2 and 1.
+    assert one.params / 2 < tp.params < one.params
+    with pytest.raises(ConfigError, match="model_axis_size"):
+        est(cfg, 3)
+
+
+def test_gradient_checkpointing_reduces_activations():
+    for base in (GPT2, LLAMA):
+        e = est(cfg_of(base, model__num_layers=4))
+        assert e.activations_remat.saved < e.activations_no_remat.saved
+        assert e.activations_remat.peak < e.activations_no_remat.peak
+        assert e.total_for(True) < e.total_for(False)
+        # Without checkpointing every layer saves the same set; with it, only the block input.
+        b, t, d = 4, 64, 64
+        assert e.activations_remat.saved_per_layer == b * t * d * 4
+        assert e.activations_no_remat.saved_per_layer > 4 * e.activations_remat.saved_per_layer
+        # XLA's attention materialises [B, N, T, T] scores/probabilities per layer.
+        assert e.activations_no_remat.attention >= 4 * b * 4 * t * t * 4
+
+
+def test_activations_scale_with_the_micro_batch_and_accumulation_adds_a_gradient_tree():
+    cfg = cfg_of(GPT2, trainer__train_batch_size=8)
+    full, micro = est(cfg), est(cfg, micro_batch_per_device=2)
+    assert (full.accum_steps, micro.accum_steps) == (1, 4)
+    assert micro.activations < full.activations
+    assert micro.grad_accumulator == micro.gradients and full.grad_accumulator == 0
+    assert est(cfg_of(GPT2, trainer__train_batch_size=8, trainer__per_device_parallelism=2)).micro_batch_per_device == 2
+
+
+def test_bf16_compute_adds_a_compute_copy_of_the_parameters():
+    f32, bf16 = est(cfg_of(LLAMA)), est(cfg_of(LLAMA, trainer__mp="p=f32,c=bf16"))
+    assert f32.compute_copy == 0
+    assert bf16.compute_copy == bf16.params // 2
+    assert bf16.compute_dtype == "bfloat16" and bf16.param_dtype == "float32"
+
+
+def test_auto_micro_batch_grows_with_the_budget_and_divides_the_batch():
+    cfg = cfg_of(GPT2, trainer__train_batch_size=24)
+    candidates = micro_batch_candidates(24, 2)
+    assert candidates == [1, 2, 3, 4, 6, 12]
+    totals = {m: est(cfg, 2, micro_batch_per_device=m).total for m in candidates}
+    assert all(totals[a] < totals[b] for a, b in zip(candidates, candidates[1:], strict=False))
+    picked = []
+    for budget in sorted({*totals.values(), *(t + 1 for t in totals.values())}):
+        m = auto_micro_batch(cfg, 2, budget, VOCAB, platform="cpu", segments=False)
+        assert m in candidates and 24 % (m * 2) == 0
+        assert totals[m] <= budget
+        picked.append(m)
+    assert picked == sorted(picked) and picked[0] == 1 and picked[-1] == 12
+    # Budgets between two candidates' needs pick the smaller one (never a non-divisor like 5).
+    assert auto_micro_batch(cfg, 2, (totals[4] + totals[6]) / 2, VOCAB, platform="cpu", segments=False) == 4
+    with pytest.raises(ConfigError, match="per_device_parallelism"):
+        auto_micro_batch(cfg, 2, totals[1] - 1, VOCAB, platform="cpu", segments=False)
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        auto_micro_batch(cfg_of(GPT2, trainer__train_batch_size=6), 4, 1e12, VOCAB)
+
+
+def test_estimate_compiles_nothing(monkeypatch):
+    def no_compile(*a, **k):
+        raise AssertionError("estimate() must not compile")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", no_compile)
+    e = estimate(cfg_of(LLAMA, model__num_layers=3, model__seq_len=128), num_devices=4, vocab_size=1000)
+    assert e.total > e.params > 0
+
+
+def test_render_and_fits():
+    e = est(cfg_of(LLAMA, trainer__mp="p=f32,c=bf16", model__gradient_checkpointing=False))
+    text = e.render()
+    for needle in ("parameters", "optimizer state", "gradients", "params in compute dtype (bfloat16)", "activations",
+                   "attention", "logits", "total (estimated peak)", "MiB", "KiB"):
+        assert needle in text, needle
+    big = load_config(None, {"model.type": "llama", "model.hidden_dim": 2048, "model.intermediate_dim": 5632,
+                             "model.num_layers": 2, "model.seq_len": 512, "trainer.train_batch_size": 8})
+    assert "GiB" in estimate(big, num_devices=1, vocab_size=32000, platform="gpu").render()
+    assert e.fits(e.total) and not e.fits(e.total - 1)
+    assert e.to_dict()["total"] == e.total
+
+
+# --- agreement with XLA's memory analysis of the real train step --------------------------------
+
+
+def xla_peak(cfg, vocab: int) -> int:
+    """argument + output - alias + temp bytes of the compiled train step on a 1-device mesh."""
+    plan = make_mesh(cfg.trainer, jax.devices()[:1])
+    fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=vocab, num_train_steps=10,
+                               plan=plan, has_segments=False)
+    tokens = jax.ShapeDtypeStruct((cfg.trainer.train_batch_size, cfg.model.seq_len), jnp.int32)
+    with jax.set_mesh(plan.mesh):
+        m = fns.train_step.lower(fns.abstract_state, tokens, None).compile().memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+@pytest.mark.parametrize("base, mp", [(GPT2, "f32"), (LLAMA, "p=f32,c=bf16")], ids=["gpt2_f32", "llama_gqa_bf16"])
+@pytest.mark.parametrize("remat", [True, False], ids=["remat", "no_remat"])
+def test_total_is_within_20_percent_of_xla(base, mp, remat):
+    cfg = cfg_of(base, model__gradient_checkpointing=remat, trainer__mp=mp)
+    measured = xla_peak(cfg, VOCAB)
+    e = est(cfg)
+    assert e.gradient_checkpointing is remat
+    assert math.isclose(e.total, measured, rel_tol=0.2), (e.total, measured, e.render())
