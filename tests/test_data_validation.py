@@ -218,3 +218,21 @@ def test_pandera_schema_flags_each_row_once():
         "empty",
         "too_short",
     }
+
+
+def test_valid_records_of_a_planted_corpus_all_reach_the_cache(tmp_path):
+    """Under `skip`, every valid record becomes exactly one cached document, in order."""
+    from lm_pipeline.data.cache import build_cache, open_cache
+    from lm_pipeline.data.testing import tiny_tokenizer
+    from lm_pipeline.data.tokenizer import load_tokenizer
+
+    p, valid, counts = _planted(tmp_path)
+    (shard,) = resolve_shards(DataConfig(train_urls=(p,), on_invalid="skip"), "train")
+    tok_dir = str(tmp_path / "tok")
+    tiny_tokenizer(tok_dir)
+    build_cache(str(tmp_path / "cache"), [shard], tok_dir, num_workers=1, progress=False)
+    cache = open_cache(str(tmp_path / "cache"))
+    assert cache.num_docs == len(valid) == 3 * len(DEFECTS)
+    assert cache.num_bytes == sum(len(t.encode("utf-8")) for t in valid)
+    tok = load_tokenizer(tok_dir)
+    assert [tok.decode(cache.doc(i)[:-1].tolist()) for i in range(cache.num_docs)] == valid
