@@ -318,8 +318,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="short windows (a smoke test; noisier)")
     p.add_argument("--no-tcmalloc", action="store_true", help="do not preload tcmalloc (glibc malloc)")
     p.add_argument("--threads", type=int, default=None,
-                   help="threads for both frameworks (default: all cores); fewer sets torch.set_num_threads and "
-                        "XLA's intra_op_parallelism_threads (1: also --xla_cpu_multi_thread_eigen=false)")
+                   help="cores for both frameworks (default: all); fewer pins the process to that many cores "
+                        "(sched_setaffinity, which XLA sizes its thread pools from) and sets torch.set_num_threads")
     p.add_argument("--verbose", action="store_true", help="print every window")
     args = p.parse_args(argv)
     allocator = ensure_allocator(not args.no_tcmalloc)
@@ -334,13 +334,15 @@ def main(argv: list[str] | None = None) -> None:
         if s not in SHAPES:
             p.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
 
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = args.threads or cores
-    if threads < cores:  # XLA reads its thread settings when the backend starts
-        flags = [f"intra_op_parallelism_threads={threads}"]
+    if threads < cores:
+        # XLA:CPU sizes its thread pools from the CPUs this process may run on (its
+        # intra_op_parallelism_threads flag does not limit the YNNPACK dots), so pin the whole
+        # process to `threads` cores before JAX starts; torch gets set_num_threads below.
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
         if threads == 1:
-            flags.insert(0, "--xla_cpu_multi_thread_eigen=false")
-        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
 
     import jax
     import torch
