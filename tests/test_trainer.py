@@ -198,3 +198,56 @@ def test_initialize_from_starts_a_new_run_with_old_weights(tmp_path):
     assert second.resumed_from is None and second.final_step == 2
     for x, y in zip(jax.tree.leaves(first.state.model), jax.tree.leaves(second.state.model), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)  # lr ~0: run a's weights
+
+
+def _nan_run(tmp_path, monkeypatch, skip: bool):
+    monkeypatch.setenv("LM_PIPELINE_INJECT_NONFINITE_STEPS", "5,6")
+    cfg = load_config(None, {**TINY, "trainer.num_train_steps": 12, "trainer.log_every": 4,
+                             "optimizer.skip_bad_steps": skip, "optimizer.skip_grad_norm_factor": None,
+                             "trainer.checkpointer.keep": [{"every": 3}], "trainer.log_dir": str(tmp_path / "logs")})
+    return cfg, ArrayDataset(periodic_tokens(64), 32)
+
+
+def test_injected_nan_steps_are_skipped_when_configured(tmp_path, monkeypatch):
+    cfg, data = _nan_run(tmp_path, monkeypatch, skip=True)
+    res = train(cfg, train_data=data, vocab_size=64, run_dir=str(tmp_path / "run"))
+    assert res.final_step == 12 and res.metrics["optim/skipped_steps"] == 2
+    rows = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r}
+    assert np.isfinite(rows[4]["train/loss"]) and np.isfinite(rows[12]["train/loss"])
+    assert rows[12]["train/loss"] < rows[4]["train/loss"]
+    for leaf in jax.tree.leaves(res.state.model):
+        assert np.all(np.isfinite(np.asarray(leaf)))
+
+
+def test_injected_nan_stops_the_run_before_any_poisoned_checkpoint(tmp_path, monkeypatch):
+    cfg, data = _nan_run(tmp_path, monkeypatch, skip=False)
+    with pytest.raises(FloatingPointError, match="after step 6.*skip_bad_steps"):
+        train(cfg, train_data=data, vocab_size=64, run_dir=str(tmp_path / "run"))
+    # keep every 3 steps: step-3 was saved before the NaN at step 5; step-6 was refused
+    assert latest_checkpoint(tmp_path / "run").endswith("step-3")
+    assert not (tmp_path / "run" / "step-6").exists()
+
+
+def test_f16_compute_trains_with_dynamic_loss_scaling(monkeypatch):
+    from lm_pipeline.train import optim
+
+    monkeypatch.setattr(optim, "LOSS_SCALE_INIT", 2.0**40)  # overflows f16: the first steps must be skipped
+    cfg = load_config(None, {**TINY, "trainer.mp": "p=f32,c=f16"})
+    plan = make_mesh(cfg.trainer, jax.devices()[:1])
+    fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=64, num_train_steps=60, plan=plan,
+                               has_segments=False)
+    src = StepBatchSource(ArrayDataset(periodic_tokens(64), 32), 8, seed=0)
+    state = fns.init(jax.random.key_data(jax.random.key(0)))
+    first = [np.asarray(x) for x in jax.tree.leaves(state.model)]
+    history = []
+    for step in range(60):
+        state, m = fns.train_step(state, *put_batch(src.batch(step), plan))
+        history.append({k: float(v) for k, v in m.items()})
+        if step == 0:  # an overflowing step changes nothing
+            assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(first, jax.tree.leaves(state.model), strict=True))
+    scales = [h["optim/loss_scale"] for h in history]
+    skipped = history[-1]["optim/skipped_steps"]
+    assert scales[0] == 2.0**39 and 1 <= skipped <= 30  # halved per overflow until the gradients fit
+    assert max(scales[30:]) < 2.0**24 and all(b in (a, a / 2) for a, b in zip(scales[30:-1], scales[31:], strict=True))
+    losses = [h["train/loss"] for h in history]
+    assert all(np.isfinite(losses)) and losses[-1] < 0.5 * losses[0]

@@ -14,7 +14,9 @@ Conventions:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, ClassVar
 
@@ -282,7 +284,8 @@ def attention(
     ``upcast`` runs the whole computation in float32.
     """
     dtype = q.dtype
-    if upcast:
+    # XLA:CPU has no f16 x f16 -> f32 dot, which attention's logits need: compute it in f32 there.
+    if upcast or (dtype == jnp.float16 and jax.default_backend() == "cpu"):
         q, k, v = q.astype(F32), k.astype(F32), v.astype(F32)
     if dropout_rate > 0.0 and key is not None:
         out = softmax_attention(q, k, v, mask, scale=scale, dropout_rate=dropout_rate, key=key)
@@ -377,6 +380,28 @@ def stack_blocks(make: Callable[[jax.Array], eqx.Module], num_layers: int, key: 
     return eqx.filter_vmap(make)(jax.random.split(key, num_layers))
 
 
+_LAYER_REMAT_POLICY: contextvars.ContextVar[Callable[..., bool] | None] = contextvars.ContextVar(
+    "layer_remat_policy", default=None
+)
+
+
+@contextlib.contextmanager
+def layer_remat_policy(policy: Callable[..., bool] | None) -> Iterator[None]:
+    """While tracing inside this context, :func:`scan_blocks` calls without ``checkpoint`` wrap
+    each layer in ``jax.checkpoint(policy=policy)`` (e.g. ``jax.checkpoint_policies.dots_saveable``:
+    keep matmul outputs, recompute the elementwise work between them in the backward pass).
+
+    Values are unchanged; only what is stored for the backward pass. A caller that knows the
+    backend (the trainer) sets it; a model called directly never rematerialises unless its
+    config asks for gradient checkpointing.
+    """
+    token = _LAYER_REMAT_POLICY.set(policy)
+    try:
+        yield
+    finally:
+        _LAYER_REMAT_POLICY.reset(token)
+
+
 def scan_blocks(
     apply: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]],
     blocks: Any,
@@ -391,24 +416,33 @@ def scan_blocks(
     rematerialised in the backward pass, saving only the residual stream between layers
     (policy ``nothing_saveable``: activation memory O(layers x B x T x D)).
 
-    Short stacks (at most :data:`UNROLL_MAX_LAYERS` layers) computing in a low-precision dtype
-    without ``checkpoint`` are unrolled (same results): XLA:CPU computes bf16 elementwise ops in
-    f32, and in a scan every residual saved for the backward pass then goes through an
-    f32 -> bf16 convert into the stacked buffer and back; unrolled, those converts fuse into
-    their consumers (1.2x on the 4- and 6-layer bf16 GPT-2 steps of ``bench/train_throughput.py``;
-    in f32 unrolling measured no gain, so f32 keeps the scan and its shorter compiles).
+    Without ``checkpoint``, on the CPU backend, stacks of at most :data:`UNROLL_MAX_LAYERS`
+    layers computing in a low-precision dtype (bf16) are unrolled (same results): XLA:CPU
+    computes bf16 elementwise ops in f32, so in a scan every residual saved for the backward
+    pass goes through an f32 -> bf16 convert into its stacked buffer and back; unrolled, those
+    converts fuse into their consumers (1.2x on the 4- and 6-layer bf16 GPT-2 steps of
+    ``bench/train_throughput.py``, see ``docs/benchmarks.md``). In f32 unrolling measured no
+    better than the scan (the trainer saves only matmul outputs there instead, through
+    :func:`layer_remat_policy`, which takes precedence over unrolling).
+    Other backends keep the plain scan.
     """
     params, static = eqx.partition(blocks, eqx.is_array)
-    num_layers = jax.tree.leaves(params)[0].shape[0] if jax.tree.leaves(params) else 0
-    unroll = not checkpoint and x.dtype != jnp.float32 and num_layers <= UNROLL_MAX_LAYERS
+    leaves = jax.tree.leaves(params)
+    num_layers = leaves[0].shape[0] if leaves else 0
 
     def body(h, inputs):
         p, extra = inputs
         return apply(eqx.combine(p, static), h, extra)
 
+    unroll: bool | int = 1
+    policy = _LAYER_REMAT_POLICY.get()
     if checkpoint:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-    return jax.lax.scan(body, x, (params, xs), unroll=True if unroll else 1)
+    elif policy is not None:
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    elif jax.default_backend() == "cpu" and x.dtype != jnp.float32 and num_layers <= UNROLL_MAX_LAYERS:
+        unroll = True
+    return jax.lax.scan(body, x, (params, xs), unroll=unroll)
 
 
 UNROLL_MAX_LAYERS = 8

@@ -226,6 +226,10 @@ def _schedule_fn(phases: list[CyclePhases], kind: str, peak: float, ratio: float
 
 # --- the optimizer state and transformation ----------------------------------------------------
 
+#: f16 dynamic loss scaling: the initial scale, and how many finite steps in a row double it.
+LOSS_SCALE_INIT = 2.0**15
+LOSS_SCALE_PERIOD = 2000
+
 
 class OptimizerState(NamedTuple):
     """State of :meth:`OptimizerConfig.build`'s transformation (a pytree; checkpoint it whole)."""
@@ -236,6 +240,8 @@ class OptimizerState(NamedTuple):
     skipped: jax.Array  # int32: steps skipped by skip_bad_steps
     grad_norm_ema: jax.Array  # f32: running EMA of the global grad norm (skip_bad_steps)
     ema_count: jax.Array  # int32: steps that fed the EMA
+    loss_scale: jax.Array  # f32: dynamic loss scale (f16 compute); 1 when loss scaling is off
+    good_steps: jax.Array  # int32: finite steps since the loss scale last changed
 
 
 def _find_state(opt_state: Any) -> OptimizerState:
@@ -254,6 +260,11 @@ def _find_state(opt_state: Any) -> OptimizerState:
 def skipped_steps(opt_state: Any) -> jax.Array:
     """Number of steps skipped so far (int32 scalar); 0 unless ``skip_bad_steps`` is on."""
     return _find_state(opt_state).skipped
+
+
+def loss_scale(opt_state: Any) -> jax.Array:
+    """The dynamic loss scale to multiply the next step's loss by (f32 scalar; 1 unless f16)."""
+    return _find_state(opt_state).loss_scale
 
 
 def current_lr(opt_state: Any) -> jax.Array:
@@ -422,13 +433,21 @@ class OptimizerConfig:
 
     # -- optimizer -----------------------------------------------------------------------------
 
-    def build(self, num_train_steps: int, weight_decay_mask: Any) -> optax.GradientTransformationExtraArgs:
+    def build(
+        self, num_train_steps: int, weight_decay_mask: Any, *, loss_scaling: bool = False
+    ) -> optax.GradientTransformationExtraArgs:
         """AdamW with this schedule (and bad-step skipping when enabled).
 
         ``weight_decay_mask``: a pytree of bools shaped like the parameters (see
         :func:`weight_decay_mask`), a callable params -> such a pytree, or None to decay every
         parameter. ``update(grads, state, params, *, loss=None)`` needs ``params`` when
         ``weight_decay > 0``; ``loss`` is only looked at by ``skip_bad_steps``.
+
+        ``loss_scaling`` (f16 compute): the state carries a dynamic loss scale
+        (:func:`loss_scale`) that the caller multiplies the loss by, dividing the gradients by
+        it again before ``update``. A step whose gradients are not finite is skipped (counted
+        in :func:`skipped_steps`) and halves the scale; :data:`LOSS_SCALE_PERIOD` finite steps
+        in a row double it (the scheme of ``jmp.DynamicLossScale``).
         """
         schedule = self.lr_scheduler(num_train_steps)
         parts: list[optax.GradientTransformation] = []
@@ -451,6 +470,8 @@ class OptimizerConfig:
                 skipped=jnp.zeros((), jnp.int32),
                 grad_norm_ema=jnp.zeros((), jnp.float32),
                 ema_count=jnp.zeros((), jnp.int32),
+                loss_scale=jnp.asarray(LOSS_SCALE_INIT if loss_scaling else 1.0, jnp.float32),
+                good_steps=jnp.zeros((), jnp.int32),
             )
 
         def update_fn(updates, state: OptimizerState, params=None, *, loss=None, **extra_args):
@@ -458,7 +479,7 @@ class OptimizerConfig:
             lr = schedule(state.step)
             new_updates, new_inner = inner.update(updates, state.inner, params)
             scaled = jax.tree.map(lambda u: (-lr * u).astype(u.dtype), new_updates)
-            if not skip:
+            if not skip and not loss_scaling:
                 return scaled, state._replace(inner=new_inner, step=state.step + 1, learning_rate=lr)
 
             norm = optax.global_norm(updates).astype(jnp.float32)
@@ -466,7 +487,10 @@ class OptimizerConfig:
             if loss is not None:
                 finite = finite & jnp.all(jnp.isfinite(loss))
             ema, count = state.grad_norm_ema, state.ema_count
-            if factor is None:
+            if not skip:  # loss scaling alone: skip only non-finite steps
+                outlier = jnp.asarray(False)
+                fed = norm
+            elif factor is None:
                 outlier = jnp.asarray(False)
                 fed = norm
             else:
@@ -474,6 +498,11 @@ class OptimizerConfig:
                 fed = jnp.where(count > 0, jnp.minimum(norm, factor * ema), norm)
             bad = ~finite | outlier
             new_ema = jnp.where(count > 0, ema_decay * ema + (1.0 - ema_decay) * fed, norm)
+            scale, good = state.loss_scale, state.good_steps
+            if loss_scaling:
+                grow = finite & (good + 1 >= LOSS_SCALE_PERIOD)
+                scale = jnp.where(finite, jnp.where(grow, scale * 2.0, scale), jnp.maximum(scale * 0.5, 1.0))
+                good = jnp.where(finite & ~grow, good + 1, 0)
             out = jax.tree.map(lambda u: jnp.where(bad, jnp.zeros_like(u), u), scaled)
             kept_inner = jax.tree.map(lambda new, old: jnp.where(bad, old, new), new_inner, state.inner)
             return out, OptimizerState(
@@ -483,6 +512,8 @@ class OptimizerConfig:
                 skipped=state.skipped + bad.astype(jnp.int32),
                 grad_norm_ema=jnp.where(finite, new_ema, ema),
                 ema_count=count + finite.astype(jnp.int32),
+                loss_scale=scale,
+                good_steps=good,
             )
 
         return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -6,6 +6,7 @@ trackers -> loop (step, log, eval, checkpoint, hooks) -> final checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -13,13 +14,16 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
 from lm_pipeline.batch import SequenceDataset, StepBatchSource
 from lm_pipeline.config import RunConfig, dump_config
 from lm_pipeline.data.loader import Prefetcher
+from lm_pipeline.faultpoints import faultpoint
 from lm_pipeline.fingerprint import fingerprint
 from lm_pipeline.schema import ConfigError, to_dict
 from lm_pipeline.train.checkpoint import Checkpointer, latest_checkpoint
@@ -108,7 +112,7 @@ def train(
     has_segments = source.batch(0).segment_ids is not None
     fns = build_step_functions(cfg.model, cfg.optimizer, tc, vocab_size=vocab_size, num_train_steps=num_steps,
                                plan=plan, has_segments=has_segments)
-    checkpointer = Checkpointer(tc.checkpointer, base_path_override=run_dir)
+    checkpointer = _FiniteStateCheckpointer(tc.checkpointer, base_path_override=run_dir)
 
     resume_path = _find_resume_path(cfg, run_dir)
     with plan.mesh:
@@ -167,14 +171,16 @@ def train(
             with plan.mesh:
                 state, metrics = fns.train_step(state, toks, seg)
             done = step + 1
+            faultpoint("train.after_step")
             window_steps += 1
             bar.update(1)
             if done % tc.log_every == 0 or done == num_steps:
                 host = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 if not math.isfinite(host["train/loss"]) and not cfg.optimizer.skip_bad_steps:
                     raise FloatingPointError(
-                        f"non-finite training loss at step {done}; lower optimizer.learning_rate, check the data, "
-                        "or set optimizer.skip_bad_steps: true to skip such steps"
+                        f"non-finite training loss at step {done}; not saving a checkpoint. Resume from the last "
+                        "checkpoint with a lower optimizer.learning_rate (or a higher optimizer.warmup), check the "
+                        "data, or set optimizer.skip_bad_steps: true to skip such steps"
                     )
                 dt = time.perf_counter() - window_t0
                 tps = window_steps * tokens_per_step / max(dt, 1e-9)
@@ -200,6 +206,11 @@ def train(
                 result.checkpoints.append(path)
             eval_loss = None
         checkpointer.wait()
+    except BaseException:
+        # Let a checkpoint that is being written (of a good, earlier state) complete.
+        with contextlib.suppress(Exception):
+            checkpointer.wait()
+        raise
     finally:
         batches.close()
         bar.close()
@@ -214,6 +225,30 @@ def train(
     if result.metrics:
         log.info("finished %s at step %d: %s", run_id, result.final_step, json.dumps(result.metrics))
     return result
+
+
+@eqx.filter_jit
+def _params_finite(params: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+class _FiniteStateCheckpointer(Checkpointer):
+    """Refuses to save a train state whose parameters are not finite.
+
+    Without ``optimizer.skip_bad_steps`` a NaN/Inf loss or gradient poisons the parameters; the
+    loss check at logging steps may not have run yet when a save comes due, so every save
+    checks the parameters themselves (one reduction over them) and stops the run instead.
+    """
+
+    def save(self, step, state, *args, **kwargs):
+        if not bool(_params_finite(state.model)):
+            raise FloatingPointError(
+                f"non-finite parameters after step {step} (a NaN/Inf loss or gradient); not saving a checkpoint. "
+                "Resume from the last checkpoint with a lower optimizer.learning_rate (or a higher "
+                "optimizer.warmup), check the data, or set optimizer.skip_bad_steps: true to skip such steps"
+            )
+        return super().save(step, state, *args, **kwargs)
 
 
 def _initialize_from(state: TrainState, path: str, checkpointer: Checkpointer, fns) -> TrainState:

@@ -22,8 +22,9 @@ import optax
 
 from lm_pipeline.batch import LmBatch, SequenceDataset, StepBatchSource
 from lm_pipeline.models.base import LmModel
+from lm_pipeline.models.layers import layer_remat_policy
 from lm_pipeline.train.config import Precision, TrainerConfig
-from lm_pipeline.train.optim import OptimizerConfig, skipped_steps, weight_decay_mask
+from lm_pipeline.train.optim import OptimizerConfig, loss_scale, skipped_steps, weight_decay_mask
 from lm_pipeline.train.sharding import MeshPlan
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,46 @@ def cast_floating(tree: Any, dtype) -> Any:
     return jax.tree.map(cast, tree)
 
 
+INJECT_NONFINITE_ENV = "LM_PIPELINE_INJECT_NONFINITE_STEPS"
+
+
+def injected_nonfinite_steps() -> tuple[int, ...]:
+    """Train steps (1-based) whose loss and gradients a test forces to NaN.
+
+    Read from ``$LM_PIPELINE_INJECT_NONFINITE_STEPS`` (comma-separated) when the step functions
+    are built; empty (and no trace of it in the compiled step) when unset. This is how the
+    fault suite checks that a NaN is skipped or stops the run, and never reaches a checkpoint.
+    """
+    spec = os.environ.get(INJECT_NONFINITE_ENV, "").strip()
+    if not spec:
+        return ()
+    try:
+        return tuple(sorted({int(x) for x in spec.split(",") if x.strip()}))
+    except ValueError:
+        raise ValueError(f"${INJECT_NONFINITE_ENV}={spec!r}: expected comma-separated step numbers, e.g. 5,6") from None
+
+
+def _save_only_dots(model_cfg, precision: Precision, plan: MeshPlan) -> bool:
+    """Whether the train step keeps only matmul outputs for the backward pass.
+
+    On the CPU backend in f32, without the model's own gradient checkpointing: each layer of the
+    model's layer scan is wrapped in ``jax.checkpoint`` with policy ``dots_saveable``
+    (:func:`lm_pipeline.models.layers.layer_remat_policy`), so the elementwise work between
+    matmuls (norms, GELU, softmax, masks) is recomputed in the backward pass instead of being
+    saved per layer (same results). Otherwise XLA:CPU zero-fills a stacked buffer per
+    saved residual and copies it before the layer scan writes it: the step moves about 2x less
+    temporary memory and ran 1.1x (4 layers, width 128) to 1.35x (6 layers, width 384) faster
+    in ``bench/train_throughput.py`` (``docs/benchmarks.md``). In bf16 the same policy measured
+    slower (the model unrolls short stacks there instead); accelerators keep plain autodiff.
+    """
+    platforms = {d.platform for d in plan.mesh.devices.flat}
+    return (
+        platforms == {"cpu"}
+        and precision.compute == jnp.float32
+        and not getattr(model_cfg, "gradient_checkpointing", False)
+    )
+
+
 def _is_array_like(x) -> bool:
     return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
 
@@ -151,7 +192,8 @@ def build_step_functions(
     axes = abstract_model.param_axes()
     param_shardings = plan.param_shardings(axes, model_arrays)
     decay_mask = weight_decay_mask(model_arrays, axes)
-    tx = opt_cfg.build(num_train_steps, decay_mask)
+    tx = opt_cfg.build(num_train_steps, decay_mask, loss_scaling=precision.uses_loss_scaling)
+    poison_steps = injected_nonfinite_steps()
     replicated = plan.replicated()
 
     def init_arrays(key_data):
@@ -188,25 +230,33 @@ def build_step_functions(
     # rather than following the weights' sharding.
     compute_shardings = MeshPlan(plan.mesh, plan.compute_mapping, plan.compute_mapping).param_shardings(axes, model_arrays)
 
+    save_dots_only = _save_only_dots(model_cfg, precision, plan)
+
     def loss_sums(params, tokens, seg, key):
         params = jax.lax.with_sharding_constraint(cast_floating(params, precision.compute), compute_shardings)
         model = eqx.combine(params, model_static)
-        logits = model(tokens, seg, key=key, inference=not dropout_active)
+        policy = jax.checkpoint_policies.dots_saveable if save_dots_only else None
+        with layer_remat_policy(policy):
+            logits = model(tokens, seg, key=key, inference=not dropout_active)
         return next_token_loss_sums(logits, tokens, seg)
 
-    def grad_sums(params, tokens, seg, key):
+    def grad_sums(params, tokens, seg, key, scale):
+        # Gradients of scale * loss_sum (scale = the f16 loss scale, else 1); loss_sum unscaled.
         def f(p):
             s, n = loss_sums(p, tokens, seg, key)
-            return s, n
+            return s * scale if scaling else s, (s, n)
 
-        (s, n), g = jax.value_and_grad(f, has_aux=True)(params)
+        (_, (s, n)), g = jax.value_and_grad(f, has_aux=True)(params)
         return s, n, g
+
+    scaling = precision.uses_loss_scaling
 
     def train_step(state: TrainState, tokens, seg):
         params = state.model
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
+        scale = loss_scale(state.opt_state)
         if accum == 1:
-            loss_sum, count, grads = grad_sums(params, tokens, seg, step_key)
+            loss_sum, count, grads = grad_sums(params, tokens, seg, step_key, scale)
         else:
             # Micro-batch i = rows i, i+accum, ...: each micro-batch stays spread over all
             # data-parallel devices.
@@ -221,7 +271,7 @@ def build_step_functions(
                 s_acc, n_acc, g_acc = carry
                 t = mtoks[i]
                 sg = mseg[i] if mseg is not None else None
-                s, n, g = grad_sums(params, t, sg, jax.random.fold_in(step_key, i))
+                s, n, g = grad_sums(params, t, sg, jax.random.fold_in(step_key, i), scale)
                 g_acc = jax.tree.map(jnp.add, g_acc, g)
                 return (s_acc + s, n_acc + n, g_acc), None
 
@@ -230,8 +280,13 @@ def build_step_functions(
                 body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros), jnp.arange(accum)
             )
         count = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: (g / count).astype(jnp.float32), grads)
+        denom = count * scale if scaling else count
+        grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / denom), grads)
         loss = loss_sum / count
+        if poison_steps:  # test hook: LM_PIPELINE_INJECT_NONFINITE_STEPS
+            poisoned = jnp.isin(state.step + 1, jnp.asarray(poison_steps, jnp.int32))
+            loss = jnp.where(poisoned, jnp.nan, loss)
+            grads = jax.tree.map(lambda g: jnp.where(poisoned, jnp.nan, g), grads)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         updates, opt_state = tx.update(grads, state.opt_state, params, loss=loss)
         new_params = optax.apply_updates(params, updates)
@@ -241,6 +296,8 @@ def build_step_functions(
             "optim/update_norm": optax.global_norm(updates),
             "optim/skipped_steps": skipped_steps(opt_state),
         }
+        if scaling:
+            metrics["optim/loss_scale"] = loss_scale(opt_state)
         return TrainState(state.step + 1, new_params, opt_state, state.key), metrics
 
     seg_sharding = batch_sharding if has_segments else None
