@@ -97,9 +97,13 @@ def _estimate(cfg, args: argparse.Namespace) -> int:
     """Print the estimate (nothing is compiled or allocated)."""
     import jax
 
-    from lm_pipeline.estimate import auto_micro_batch, estimate
+    from lm_pipeline.estimate import auto_micro_batch, estimate, resolve_auto_parallelism
 
     n = args.num_devices or jax.device_count()
+    if cfg.trainer.per_device_parallelism == "auto":
+        vocab = args.vocab_size or cfg.data.tokenizer.vocab_size
+        cfg = resolve_auto_parallelism(cfg, n, vocab)
+        print(f"per_device_parallelism: auto -> {cfg.trainer.per_device_parallelism} sequences per device")
     est = estimate(cfg, num_devices=n, vocab_size=args.vocab_size)
     if args.json:
         print(json.dumps(est.to_dict(), indent=2, default=str))

@@ -121,7 +121,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -133,6 +135,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from lm_pipeline.schema import ConfigError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from lm_pipeline.config import RunConfig
@@ -385,10 +389,12 @@ def _optimizer_bytes(opt_cfg, params, axes, factors) -> int:
 
 @functools.lru_cache(maxsize=256)
 def saved_activations(
-    model_cfg, vocab_size: int, batch: int, compute_dtype: str, segments: bool
+    model_cfg, vocab_size: int, batch: int, compute_dtype: str, segments: bool, dots_only: bool = False
 ) -> tuple[jax.ShapeDtypeStruct, ...]:
     """Shapes of the tensors ``jax.vjp`` of the trainer's loss saves for the backward pass
-    (``batch`` sequences), excluding the (compute-dtype) parameters themselves."""
+    (``batch`` sequences), excluding the (compute-dtype) parameters themselves. ``dots_only``:
+    under the trainer's per-layer ``dots_saveable`` policy (f32 on CPU)."""
+    from lm_pipeline.models.layers import layer_remat_policy
     from lm_pipeline.train.trainer import next_token_loss_sums
 
     abstract = _abstract_model(model_cfg, vocab_size)
@@ -408,7 +414,8 @@ def saved_activations(
 
         def loss(p):
             model = eqx.combine(p, static)
-            logits = model(tokens, seg, key=key, inference=not dropout_active)
+            with layer_remat_policy(jax.checkpoint_policies.dots_saveable if dots_only else None):
+                logits = model(tokens, seg, key=key, inference=not dropout_active)
             return next_token_loss_sums(logits, tokens, seg)[0]
 
         _, vjp_fn = jax.vjp(loss, p)
@@ -428,15 +435,17 @@ class _Saved:
 
 def _classify(
     res, *, seq_len: int, vocab: int, mlp_dims: tuple[int, ...], model_size: int, act_bytes: int | None,
-    upcast_only_attention: bool = False,
+    upcast_only_attention: bool = False, num_heads: int = 0,
 ) -> _Saved:
     """Bytes of saved tensors: all, the [.., T, T] attention ones and those with a vocab dim."""
     total = attention = logits = 0
     for x in res:
-        # [.., T, T] attention tensors: [L, B, K, G, T, T] / [B, K, G, T, T] / [B, 1, T, T] masks
-        # (dims >= 5, or a 4-d boolean: a 4-d float [L, B, T, D] may have D == T).
+        # [.., T, T] attention tensors: [L, B, K, G, T, T] / [B, K, G, T, T] / [B, 1, T, T] masks /
+        # [B, N, T, T] scores (dims >= 5, a 4-d boolean, or 4-d with N heads: a 4-d float
+        # [L, B, T, D] may have D == T).
         ndim = len(x.shape)
-        is_attn = ndim >= 4 and tuple(x.shape[-2:]) == (seq_len, seq_len) and (ndim >= 5 or x.dtype == jnp.bool_)
+        is_attn = ndim >= 4 and tuple(x.shape[-2:]) == (seq_len, seq_len) and (
+            ndim >= 5 or x.dtype == jnp.bool_ or x.shape[-3] == num_heads)
         is_logit = ndim >= 2 and x.shape[-1] == vocab and not is_attn
         itemsize = x.dtype.itemsize  # also defined for PRNG key dtypes (dropout keys)
         upcast = act_bytes is not None and not is_logit and (is_attn or not upcast_only_attention)
@@ -451,6 +460,12 @@ def _classify(
     return _Saved(total, attention, logits)
 
 
+def saves_only_dots(model_cfg, compute_dtype, platform: str) -> bool:
+    from lm_pipeline.train.trainer import saves_only_dots as rule
+
+    return rule(model_cfg, compute_dtype, platform)
+
+
 def _unroll_max_layers() -> int:
     from lm_pipeline.models import layers
 
@@ -463,24 +478,27 @@ def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments
     layers = model_cfg.num_layers
     mlp = tuple(d for d in (getattr(model_cfg, "mlp_dim", None), getattr(model_cfg, "intermediate_dim", None)) if d)
     act_bytes = CPU_ACTIVATION_BYTES if platform == "cpu" else None
-    kw = dict(seq_len=model_cfg.seq_len, vocab=vocab, mlp_dims=mlp, model_size=model_size, act_bytes=act_bytes)
+    kw = dict(seq_len=model_cfg.seq_len, vocab=vocab, mlp_dims=mlp, model_size=model_size, act_bytes=act_bytes,
+              num_heads=getattr(model_cfg, "num_heads", 0))
     # On XLA:CPU, bf16 tensors saved into a scan's stacked buffers go through f32; those of an
     # unrolled stack (``scan_blocks`` unrolls short low-precision stacks without checkpointing)
     # or recomputed inside one layer stay bf16, except attention's.
     unrolled = not remat and layers <= _unroll_max_layers() and jnp.dtype(compute_dtype) != jnp.float32
+    # f32 on CPU without checkpointing: the trainer saves only matmul outputs per layer.
+    dots = not remat and saves_only_dots(cfg, compute_dtype, platform)
 
-    def saved(num_layers: int, remat_: bool, only_attention: bool) -> _Saved:
+    def saved(num_layers: int, remat_: bool, only_attention: bool, dots_only: bool = False) -> _Saved:
         c = dataclasses.replace(cfg, num_layers=num_layers, gradient_checkpointing=remat_)
-        res = saved_activations(c, vocab, batch, compute_dtype, segments)
+        res = saved_activations(c, vocab, batch, compute_dtype, segments, dots_only)
         return _classify(res, upcast_only_attention=only_attention, **kw)
 
-    one, two = saved(1, remat, unrolled), saved(2, remat, unrolled)
+    one, two = saved(1, remat, unrolled, dots), saved(2, remat, unrolled, dots)
     per_layer = _Saved(two.total - one.total, two.attention - one.attention, two.logits - one.logits)
     total = one.total + (layers - 1) * per_layer.total
     attention = one.attention + (layers - 1) * per_layer.attention
     logits = one.logits + (layers - 1) * per_layer.logits
     # One layer's full saved set (what a checkpointed layer recomputes in its backward pass).
-    if remat:
+    if remat or dots:
         one_nr, two_nr = dataclasses.astuple(saved(1, False, True)), dataclasses.astuple(saved(2, False, True))
         full = _Saved(*(b - a for a, b in zip(one_nr, two_nr, strict=True)))
     else:
@@ -491,7 +509,8 @@ def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments
     head = total + int(HEAD_GRAD_BUFFERS * logits_grad)
     # Layer backward: everything saved but the logits residuals, the recomputed layer (with
     # checkpointing), and the attention backward's working set.
-    recomputed = full.total if remat else 0
+    # (under the dots policy a layer recomputes only what lies between its saved matmul outputs)
+    recomputed = full.total if remat else max(0, full.total - per_layer.total) if dots else 0
     layer = total - logits + recomputed + int(ATTN_BWD_FACTOR * full.attention)
     return Activations(
         saved=total, saved_per_layer=per_layer.total, attention=attention, logits=logits,
@@ -656,6 +675,30 @@ def auto_micro_batch(
         f"more than the budget of {_size(budget_bytes)}; use more devices (FSDP shards parameters and "
         "optimizer state), gradient checkpointing, bf16 compute or a smaller model",
     )
+
+
+def default_memory_budget(trainer_cfg: Any, device: Any = None) -> int:
+    """Bytes per device that ``per_device_parallelism: auto`` plans for: ``device_memory_gib``
+    when set, else what the accelerator reports, else (CPU) 80% of RAM over the local devices."""
+    if getattr(trainer_cfg, "device_memory_gib", None):
+        return int(trainer_cfg.device_memory_gib * 2**30)
+    reported = device_memory_bytes(device)
+    if reported:
+        return reported
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(0.8 * ram / max(1, jax.local_device_count()))
+
+
+def resolve_auto_parallelism(cfg: RunConfig, num_devices: int, vocab_size: int, *, segments: bool | None = None) -> RunConfig:
+    """``cfg`` with ``trainer.per_device_parallelism: auto`` replaced by the micro-batch
+    :func:`auto_micro_batch` picks for :func:`default_memory_budget` (unchanged otherwise)."""
+    tc = cfg.trainer
+    if tc.per_device_parallelism != "auto":
+        return cfg
+    budget = default_memory_budget(tc)
+    per = auto_micro_batch(cfg, num_devices, budget, vocab_size, segments=segments)
+    log.info("per_device_parallelism: auto -> %d sequences per device (budget %s per device)", per, _size(budget))
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(tc, per_device_parallelism=per))
 
 
 def device_memory_bytes(device: Any = None) -> int | None:

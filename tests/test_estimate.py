@@ -77,8 +77,8 @@ def test_tensor_parallel_shards_only_mapped_axes():
 
 
 def test_gradient_checkpointing_reduces_activations():
-    for base in (GPT2, LLAMA):
-        e = est(cfg_of(base, model__num_layers=4))
+    for base in (GPT2, LLAMA):  # plain autodiff (on CPU in f32 the trainer saves only matmul outputs)
+        e = estimate(cfg_of(base, model__num_layers=4), num_devices=1, vocab_size=VOCAB, platform="gpu", segments=False)
         assert e.activations_remat.saved < e.activations_no_remat.saved
         assert e.activations_remat.peak < e.activations_no_remat.peak
         assert e.total_for(True) < e.total_for(False)
@@ -171,3 +171,37 @@ def test_total_is_within_20_percent_of_xla(base, mp, remat):
     e = est(cfg)
     assert e.gradient_checkpointing is remat
     assert math.isclose(e.total, measured, rel_tol=0.2), (e.total, measured, e.render())
+
+
+def test_train_resolves_auto_parallelism_from_the_memory_budget(tmp_path):
+    import numpy as np
+
+    from lm_pipeline.batch import ArrayDataset
+    from lm_pipeline.train.checkpoint import latest_checkpoint
+    from lm_pipeline.train.run import train
+
+    tiny = {"model.type": "gpt2", "model.seq_len": 32, "model.hidden_dim": 32, "model.num_heads": 2, "model.num_layers": 1,
+            "trainer.train_batch_size": 8, "trainer.progress": False, "trainer.num_train_steps": 2,
+            "trainer.per_device_parallelism": "auto", "trainer.log_dir": str(tmp_path / "logs")}
+    cfg = load_config(None, tiny)
+    sizes = {m: estimate(cfg, num_devices=1, vocab_size=64, micro_batch_per_device=m, segments=False).total for m in (4, 8)}
+    assert sizes[4] < sizes[8]
+    budget_gib = (sizes[4] + sizes[8]) / 2 / 2**30  # room for 4 sequences per device, not 8
+    cfg = load_config(None, {**tiny, "trainer.device_memory_gib": budget_gib})
+    data = ArrayDataset(np.arange(64 * 32) % 64, 32)
+    res = train(cfg, train_data=data, vocab_size=64, run_dir=str(tmp_path / "run"))
+    assert res.final_step == 2
+    saved = load_config(f"{latest_checkpoint(tmp_path / 'run')}/config.yaml")
+    assert saved.trainer.per_device_parallelism == 4  # gradient accumulation over 2 micro-batches
+
+
+def test_auto_parallelism_that_cannot_fit_names_the_field():
+    cfg = load_config(None, {"model.type": "gpt2", "model.seq_len": 32, "model.hidden_dim": 32, "model.num_heads": 2,
+                             "model.num_layers": 1, "trainer.per_device_parallelism": "auto",
+                             "trainer.device_memory_gib": 1e-6})
+    from lm_pipeline.estimate import resolve_auto_parallelism
+
+    with pytest.raises(ConfigError, match="per_device_parallelism"):
+        resolve_auto_parallelism(cfg, 1, 64)
+    with pytest.raises(ConfigError, match="per_device_parallelism.*'auto'"):
+        load_config(None, {"trainer.per_device_parallelism": "atuo"})

@@ -8,7 +8,7 @@ Field names follow Levanter's ``TrainerConfig``; the spellings used in Levanter'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import jax.numpy as jnp
 
@@ -98,11 +98,19 @@ class TrainerConfig:
     num_epochs: float | None = field(None, help="Run length in passes over the training data, converted to steps from the data size.", semantic=True)
     train_tokens: int | None = field(None, help="Run length as a token budget, converted to steps (rounded up).")
     train_batch_size: int = field(32, help="Global batch size in sequences.", aliases=("batch_size",))
-    per_device_parallelism: int = field(
+    per_device_parallelism: int | Literal["auto"] = field(
         -1,
-        help="Sequences per device per micro-batch; -1 = the whole batch (no gradient accumulation). Fewer than batch/devices means gradient accumulation.",
+        help="Sequences per device per micro-batch; -1 = the whole batch (no gradient accumulation); 'auto' = the largest "
+        "that divides the batch and fits device_memory_gib by the estimator (lm-pipeline estimate). Fewer than "
+        "batch/devices means gradient accumulation.",
         semantic=False,
         aliases=("per_device_train_parallelism",),
+    )
+    device_memory_gib: float | None = field(
+        None,
+        help="Memory per device that per_device_parallelism: auto may plan for; null = what the accelerator reports "
+        "(on CPU: 80% of RAM shared by the local devices).",
+        semantic=False,
     )
     per_device_eval_parallelism: int = field(-1, help="Sequences per device per eval batch; -1 = same as training.", semantic=False, aliases=("eval_per_device_parallelism",))
     mp: str = field("f32", help="Mixed precision, e.g. 'p=f32,c=bfloat16' (params f32, compute bf16) or 'f32'.")
@@ -161,9 +169,12 @@ class TrainerConfig:
             raise ConfigError("num_epochs", "must be > 0")
         for name in ("per_device_parallelism", "per_device_eval_parallelism"):
             v = getattr(self, name)
-            if v == 0 or v < -1:
-                raise ConfigError(name, f"must be -1 (whole batch) or >= 1, got {v}")
-        if self.per_device_parallelism > 0 and self.train_batch_size % self.per_device_parallelism:
+            if v != "auto" and (v == 0 or v < -1):
+                extra = ", or 'auto'" if name == "per_device_parallelism" else ""
+                raise ConfigError(name, f"must be -1 (whole batch) or >= 1{extra}, got {v}")
+        if self.device_memory_gib is not None and not self.device_memory_gib > 0:
+            raise ConfigError("device_memory_gib", f"must be > 0 or null, got {self.device_memory_gib}")
+        if isinstance(self.per_device_parallelism, int) and self.per_device_parallelism > 0 and self.train_batch_size % self.per_device_parallelism:
             raise ConfigError(
                 "train_batch_size",
                 f"{self.train_batch_size} is not divisible by per_device_parallelism={self.per_device_parallelism}",
@@ -191,7 +202,7 @@ class TrainerConfig:
                 f"{self.model_axis_size} does not divide the {num_devices} devices; use a divisor of {num_devices}",
             )
         data = num_devices // self.model_axis_size
-        per = self.per_device_parallelism if self.per_device_parallelism > 0 else None
+        per = self.per_device_parallelism if isinstance(self.per_device_parallelism, int) and self.per_device_parallelism > 0 else None
         micro = (per or 1) * data
         if per is None and self.train_batch_size % data:
             raise ConfigError(

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from lm_pipeline.batch import SequenceDataset, StepBatchSource
 from lm_pipeline.config import RunConfig, dump_config
 from lm_pipeline.data.loader import Prefetcher
+from lm_pipeline.estimate import resolve_auto_parallelism
 from lm_pipeline.faultpoints import faultpoint
 from lm_pipeline.fingerprint import fingerprint
 from lm_pipeline.schema import ConfigError, to_dict
@@ -110,6 +111,9 @@ def train(
     source = StepBatchSource(train_data, tc.train_batch_size, tc.seed,
                              process_index=jax.process_index(), process_count=jax.process_count())
     has_segments = source.batch(0).segment_ids is not None
+    if tc.per_device_parallelism == "auto":
+        cfg = resolve_auto_parallelism(cfg, jax.device_count(), vocab_size, segments=has_segments)
+        tc = cfg.trainer
     fns = build_step_functions(cfg.model, cfg.optimizer, tc, vocab_size=vocab_size, num_train_steps=num_steps,
                                plan=plan, has_segments=has_segments)
     checkpointer = _FiniteStateCheckpointer(tc.checkpointer, base_path_override=run_dir)

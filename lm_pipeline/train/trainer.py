@@ -124,7 +124,7 @@ def injected_nonfinite_steps() -> tuple[int, ...]:
         raise ValueError(f"${INJECT_NONFINITE_ENV}={spec!r}: expected comma-separated step numbers, e.g. 5,6") from None
 
 
-def _save_only_dots(model_cfg, precision: Precision, plan: MeshPlan) -> bool:
+def saves_only_dots(model_cfg, compute_dtype, platform: str) -> bool:
     """Whether the train step keeps only matmul outputs for the backward pass.
 
     On the CPU backend in f32, without the model's own gradient checkpointing: each layer of the
@@ -136,13 +136,18 @@ def _save_only_dots(model_cfg, precision: Precision, plan: MeshPlan) -> bool:
     temporary memory and ran 1.1x (4 layers, width 128) to 1.35x (6 layers, width 384) faster
     in ``bench/train_throughput.py`` (``docs/benchmarks.md``). In bf16 the same policy measured
     slower (the model unrolls short stacks there instead); accelerators keep plain autodiff.
+    :mod:`lm_pipeline.estimate` uses the same rule.
     """
-    platforms = {d.platform for d in plan.mesh.devices.flat}
     return (
-        platforms == {"cpu"}
-        and precision.compute == jnp.float32
+        platform == "cpu"
+        and jnp.dtype(compute_dtype) == jnp.float32
         and not getattr(model_cfg, "gradient_checkpointing", False)
     )
+
+
+def _save_only_dots(model_cfg, precision: Precision, plan: MeshPlan) -> bool:
+    platforms = {d.platform for d in plan.mesh.devices.flat}
+    return platforms == {"cpu"} and saves_only_dots(model_cfg, precision.compute, "cpu")
 
 
 def _is_array_like(x) -> bool:
@@ -176,6 +181,11 @@ def build_step_functions(
     """Jitted init / train / eval functions with explicit shardings."""
     precision: Precision = trainer_cfg.precision
     batch_size = trainer_cfg.train_batch_size
+    if trainer_cfg.per_device_parallelism == "auto":
+        raise ValueError(
+            "per_device_parallelism: 'auto' must be resolved before building the step "
+            "(lm_pipeline.estimate.resolve_auto_parallelism; train() does it)"
+        )
     if trainer_cfg.per_device_parallelism > 0:
         micro = trainer_cfg.per_device_parallelism * plan.data_size
     else:
