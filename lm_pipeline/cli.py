@@ -116,7 +116,16 @@ def _estimate(cfg, args: argparse.Namespace) -> int:
     return 0
 
 
+#: Commands that run long JAX computations: started from the shell, they re-execute themselves
+#: with tcmalloc preloaded when it is installed (``lm_pipeline.launch``; 1.3x faster CPU steps).
+_REEXEC_COMMANDS = ("train", "cache", "eval", "generate")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] in _REEXEC_COMMANDS:
+        from lm_pipeline.launch import maybe_reexec_with_tcmalloc
+
+        maybe_reexec_with_tcmalloc()  # returns only when it does not re-execute
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         width = max(map(len, COMMANDS))
@@ -132,6 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lm_pipeline.config import load_config
 
         cfg = load_config(args.config_path, list(overrides))
+        if cmd in _REEXEC_COMMANDS:
+            from lm_pipeline.launch import tcmalloc_status
+
+            logging.getLogger("lm_pipeline.cli").info("allocator: %s", tcmalloc_status())
         if cmd in ("train", "cache", "plan"):
             from lm_pipeline.steps import Pipeline
 
