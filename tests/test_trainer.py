@@ -104,6 +104,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_process_run_on_loopback(tmp_path):
     """jax.distributed with gloo CPU collectives: two processes train and checkpoint together."""
     coord = f"127.0.0.1:{_free_port()}"
@@ -187,6 +188,7 @@ def test_sigkill_mid_run_resumes_bitwise(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 def test_initialize_from_starts_a_new_run_with_old_weights(tmp_path):
     data = ArrayDataset(periodic_tokens(64), 32)
     base = {**TINY, "trainer.log_every": 5, "trainer.steps_per_eval": 1000}
