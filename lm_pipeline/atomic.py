@@ -22,6 +22,8 @@ from typing import IO, Any
 
 import fsspec
 
+from lm_pipeline.faultpoints import faultpoint
+
 PathLike = str | os.PathLike
 
 __all__ = [
@@ -87,7 +89,7 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _local_write(target: str, data: bytes) -> None:
+def _local_write(target: str, data: bytes, fault: str | None = None) -> None:
     directory = os.path.dirname(target) or "."
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:12]}")
@@ -96,39 +98,49 @@ def _local_write(target: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if fault:
+            faultpoint(fault)  # the temporary file is complete, the target not yet replaced
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:  # name the file
+            raise OSError(e.errno, e.strerror, target) from e
         raise
     _fsync_dir(directory)
 
 
-def atomic_write_bytes(path: PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (local: temp + rename; object stores: one PUT)."""
+def atomic_write_bytes(path: PathLike, data: bytes, *, fault: str | None = None) -> None:
+    """Write ``data`` to ``path`` atomically (local: temp + rename; object stores: one PUT).
+
+    ``fault``: a :mod:`lm_pipeline.faultpoints` name passed between the temporary file and the
+    rename (tests crash there: inside the write)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"atomic_write_bytes expects bytes, got {type(data).__name__}")
     data = bytes(data)
     if is_local(path):
-        _local_write(local_path(path), data)
+        _local_write(local_path(path), data, fault)
         return
     fs, inner = get_fs(path)
     parent = inner.rsplit("/", 1)[0] if "/" in inner else ""
     if parent:
         with contextlib.suppress(Exception):  # object stores have no real directories
             fs.makedirs(parent, exist_ok=True)
+    if fault:
+        faultpoint(fault)
     fs.pipe_file(inner, data)
 
 
-def atomic_write_text(path: PathLike, text: str, encoding: str = "utf-8") -> None:
+def atomic_write_text(path: PathLike, text: str, encoding: str = "utf-8", *, fault: str | None = None) -> None:
     """Write ``text`` to ``path`` atomically."""
-    atomic_write_bytes(path, text.encode(encoding))
+    atomic_write_bytes(path, text.encode(encoding), fault=fault)
 
 
-def atomic_write_json(path: PathLike, obj: Any, *, indent: int | None = 2, sort_keys: bool = False) -> None:
+def atomic_write_json(path: PathLike, obj: Any, *, indent: int | None = 2, sort_keys: bool = False,
+                      fault: str | None = None) -> None:
     """Serialize ``obj`` as JSON (strict: no NaN/Infinity) and write it atomically, newline-terminated."""
     text = json.dumps(obj, indent=indent, sort_keys=sort_keys, allow_nan=False)
-    atomic_write_text(path, text + "\n")
+    atomic_write_text(path, text + "\n", fault=fault)
 
 
 @contextlib.contextmanager

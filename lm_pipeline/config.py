@@ -77,7 +77,10 @@ def _load_yaml(path: str | os.PathLike, stack: tuple[Path, ...] = ()) -> Any:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError("", f"cannot read {path}: {e}") from None
-    loader = _IncludeLoader(text)
+    try:
+        loader = _IncludeLoader(text)  # the reader rejects control characters right here
+    except yaml.YAMLError as e:
+        raise ConfigError("", f"{path}: invalid YAML: {e}") from None
     loader.name = str(path)
     loader._stack = (*stack, resolved)  # type: ignore[attr-defined]
     try:

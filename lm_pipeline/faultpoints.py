@@ -2,19 +2,23 @@
 
 Production code calls :func:`faultpoint` at interesting moments (after a stage wrote its first
 bytes, between a payload and its completion marker, ...). Unarmed, a call is one environment
-look-up. A test arms a point for a child process through the environment::
+look-up. A test arms points for a child process through the environment::
 
-    LM_PIPELINE_FAULTPOINT="cache.shard_written:3"   # the 3rd time the point is passed
-    LM_PIPELINE_FAULTPOINT_ACTION="kill"              # kill (default) | raise | pause
+    LM_PIPELINE_FAULTPOINT="token_cache.before_commit:3"   # the 3rd time the point is passed
+    LM_PIPELINE_FAULTPOINT_ACTION="kill"                    # kill (default) | raise | pause | sleep=S
+
+Each comma-separated item is ``name[:N][:action]``: ``N`` is the 1-based pass to fire on
+(default 1) or ``*`` for every pass; ``action`` overrides ``$LM_PIPELINE_FAULTPOINT_ACTION``.
 
 - ``kill``: ``SIGKILL`` to itself, the harshest crash (no ``finally``, no flush, no atexit).
 - ``raise``: :class:`FaultInjected` (an ordinary exception; for in-process tests).
-- ``pause``: write ``$LM_PIPELINE_FAULTPOINT_FILE`` (if set) and sleep, so a test can kill the
-  process from outside at a known moment.
+- ``pause``: append ``<name> <pass>`` to ``$LM_PIPELINE_FAULTPOINT_FILE`` (if set) and sleep until
+  killed, so a test can act (and kill the process) at a known moment.
+- ``sleep=S``: sleep ``S`` seconds and go on (to widen race windows).
 
-Several points may be armed at once, separated by commas. Each armed point fires once per
-process. Point names are ``<stage>.<moment>`` strings; ``grep -rn "faultpoint(" lm_pipeline``
-lists them.
+Point names are ``<stage>.<moment>``; ``grep -rn "faultpoint(" lm_pipeline`` lists them. Every
+point is also recorded, when passed, in ``$LM_PIPELINE_FAULTPOINT_TRACE`` (if set; one name a
+line), so a test can prove a point is really reached.
 """
 
 from __future__ import annotations
@@ -23,11 +27,11 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 ENV = "LM_PIPELINE_FAULTPOINT"
 ENV_ACTION = "LM_PIPELINE_FAULTPOINT_ACTION"
 ENV_FILE = "LM_PIPELINE_FAULTPOINT_FILE"
+ENV_TRACE = "LM_PIPELINE_FAULTPOINT_TRACE"
 
 _counts: dict[str, int] = {}
 _lock = threading.Lock()
@@ -37,34 +41,57 @@ class FaultInjected(RuntimeError):
     """Raised at an armed fault point whose action is ``raise``."""
 
 
-def _armed() -> dict[str, int]:
+def _armed(name: str) -> list[tuple[int | None, str]]:
+    """The (pass or None for every pass, action) items armed for ``name``."""
     spec = os.environ.get(ENV, "")
-    out: dict[str, int] = {}
+    default = os.environ.get(ENV_ACTION, "kill")
+    out = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, _, nth = part.partition(":")
-        out[name] = int(nth) if nth else 1
+        point, _, rest = part.partition(":")
+        if point != name:
+            continue
+        nth, _, action = rest.partition(":")
+        out.append((None if nth == "*" else int(nth or 1), action or default))
     return out
 
 
 def faultpoint(name: str) -> None:
-    """Pass the fault point ``name``; crash here if a test armed it for this pass."""
+    """Pass the fault point ``name``; crash (or pause) here if a test armed it for this pass."""
+    trace = os.environ.get(ENV_TRACE)
+    if trace:
+        with open(trace, "a") as f:
+            f.write(name + "\n")
     if ENV not in os.environ:
         return
-    armed = _armed()
-    if name not in armed:
+    items = _armed(name)
+    if not items:
         return
     with _lock:
-        _counts[name] = _counts.get(name, 0) + 1
-        hit = _counts[name] == armed[name]
-    if not hit:
-        return
-    action = os.environ.get(ENV_ACTION, "kill")
-    if action == "raise":
-        raise FaultInjected(f"fault point {name!r} (pass {armed[name]})")
-    if action == "pause":
-        marker = os.environ.get(ENV_FILE)
-        if marker:
-            Path(marker).write_text(name)
-        while True:  # until killed from outside
-            time.sleep(3600)
-    os.kill(os.getpid(), signal.SIGKILL)
+        n = _counts[name] = _counts.get(name, 0) + 1
+    for nth, action in items:
+        if nth is not None and nth != n:
+            continue
+        if action == "raise":
+            raise FaultInjected(f"fault point {name!r} (pass {n})")
+        if action.startswith("sleep="):
+            time.sleep(float(action.split("=", 1)[1]))
+            continue
+        if action == "pause":
+            marker = os.environ.get(ENV_FILE)
+            if marker:
+                with open(marker, "a") as f:
+                    f.write(f"{name} {n}\n")
+            while True:  # until killed from outside
+                time.sleep(3600)
+        if action != "kill":
+            raise ValueError(f"{ENV_ACTION}/{ENV}: unknown action {action!r} (kill, raise, pause, sleep=S)")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def reset() -> None:
+    """Forget the pass counts (in-process tests that arm points more than once)."""
+    with _lock:
+        _counts.clear()
+
+
+__all__ = ["ENV", "ENV_ACTION", "ENV_FILE", "ENV_TRACE", "FaultInjected", "faultpoint", "reset"]

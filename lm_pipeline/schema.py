@@ -204,7 +204,7 @@ def _from_choice(base: type[Choice], value: Any, path: str) -> Any:
     kind = value.get("type", family.default_type if base is family else None)
     if kind is None:
         kind = next((k for k, c in family.registry.items() if c is base), None)
-    if kind not in family.registry:
+    if not isinstance(kind, str) or kind not in family.registry:  # a list or mapping is no type name
         names = sorted(family.registry)
         hint = difflib.get_close_matches(str(kind), names, n=1)
         extra = f" (did you mean {hint[0]!r}?)" if hint else ""

@@ -39,12 +39,13 @@ from typing import Any
 from lm_pipeline.config import RunConfig
 from lm_pipeline.fingerprint import fingerprint, hash_json, semantic_view
 from lm_pipeline.schema import ConfigError
-from lm_pipeline.store import Artifact, ArtifactStore
+from lm_pipeline.store import Artifact, ArtifactStore, StorageError, storage_error
 
 log = logging.getLogger(__name__)
 
-# Bump a stage's code version when its output format or semantics change.
-CODE_VERSIONS = {"raw_shards": 1, "tokenizer": 1, "token_cache": 1, "train_ckpt": 1, "eval_report": 1, "hf_export": 1}
+# Bump a stage's code version when its output format or semantics change (tokenizer 2: BPE
+# training cuts words longer than lm_pipeline.data.tokenizer.MAX_TRAIN_WORD characters).
+CODE_VERSIONS = {"raw_shards": 1, "tokenizer": 2, "token_cache": 1, "train_ckpt": 1, "eval_report": 1, "hf_export": 1}
 STAGES = ("raw_shards", "tokenizer", "token_cache", "train_ckpt", "eval_report", "hf_export")
 #: Stages whose fingerprint depends on which checkpoint of the run they read.
 CHECKPOINT_STAGES = ("eval_report", "hf_export")
@@ -196,6 +197,15 @@ def merge_cache_parts(out_dir: str, parts: Sequence[tuple[Sequence[Any], str]], 
             committer.commit()
         C._finalize(root, ledger, arrays)
     return ledger
+
+
+def _tokenizer_files(tok_dir: str) -> dict[str, Path]:
+    """The tokenizer's own files, for a checkpoint's ``tokenizer/``: never the store's manifest
+    (a copied manifest.json would make a partial downstream artifact look complete)."""
+    from lm_pipeline.store import MANIFEST
+
+    return {f"tokenizer/{p.name}": p for p in sorted(Path(tok_dir).iterdir())
+            if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
 
 
 class Pipeline:
@@ -365,15 +375,23 @@ class Pipeline:
         if manifest is not None:
             log.info("%s %s: cache hit (%s)", stage, addr.fingerprint, art.path)
             return StageResult(stage, addr.fingerprint, art.path, True, manifest, time.perf_counter() - t0)
-        with self.store.lock(art):
-            manifest = self.store.manifest(stage, addr.fingerprint)  # another writer may have finished
-            if manifest is not None:
-                return StageResult(stage, addr.fingerprint, art.path, True, manifest, time.perf_counter() - t0)
-            log.info("%s %s: building at %s", stage, addr.fingerprint, art.path)
-            summary, extra = build(art.path)
-            manifest = self.store.commit(art, {"config": addr.config, "inputs": addr.inputs,
-                                               "code_version": CODE_VERSIONS[stage], "summary": summary,
-                                               "seconds": round(time.perf_counter() - t0, 3), **extra})
+        try:
+            with self.store.lock(art):
+                manifest = self.store.manifest(stage, addr.fingerprint)  # another writer may have finished
+                if manifest is not None:
+                    return StageResult(stage, addr.fingerprint, art.path, True, manifest, time.perf_counter() - t0)
+                log.info("%s %s: building at %s", stage, addr.fingerprint, art.path)
+                summary, extra = build(art.path)
+                manifest = self.store.commit(art, {"config": addr.config, "inputs": addr.inputs,
+                                                   "code_version": CODE_VERSIONS[stage], "summary": summary,
+                                                   "seconds": round(time.perf_counter() - t0, 3), **extra})
+        except StorageError:
+            raise
+        except Exception as e:
+            clear = storage_error(e, f"{stage} {addr.fingerprint}", art.path)
+            if clear is None:
+                raise
+            raise clear from e
         return StageResult(stage, addr.fingerprint, art.path, False, manifest, time.perf_counter() - t0)
 
     # ---------------------------------------------------------------- stages
@@ -530,7 +548,12 @@ class Pipeline:
 
     def run_id(self) -> str:
         """The training run's id: ``trainer.id`` if set, else the train_ckpt fingerprint."""
-        return self.cfg.trainer.id or self.address("train_ckpt").fingerprint
+        rid = self.cfg.trainer.id
+        if rid is not None and (not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", rid) or ".." in rid):
+            # the id names a directory (<base_path>/<id>, <log_dir>/<id>.log): it must stay one
+            raise ConfigError("trainer.id", f"{rid!r} is not a plain name; use letters, digits, '.', '_', '-' "
+                              "(no '/', no '..'), e.g. gpt2-small-run1")
+        return rid or self.address("train_ckpt").fingerprint
 
     def run_dir(self) -> str:
         """Where the training run lives: the store address, or ``checkpointer.base_path/<run id>``."""
@@ -555,7 +578,7 @@ class Pipeline:
             res = train(self.cfg, train_data=train_ds, vocab_size=vocab, eval_data=evals,
                         eval_bytes_per_token={n: d.bytes_per_token for n, d in evals.items()},
                         run_id=self.run_id(), run_dir=run_dir,
-                        extra_checkpoint_files={"tokenizer": Path(tok_dir)},
+                        extra_checkpoint_files=_tokenizer_files(tok_dir),
                         hooks=[*hooks, *([hf_hook] if hf_hook else [])])
             if hf_hook and res.final_step % hf_hook.every:
                 hf_hook.fn(StepInfo(res.final_step, res.state, res.metrics))

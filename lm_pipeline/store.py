@@ -11,7 +11,9 @@ manifest and does nothing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import glob
 import json
 import logging
 import os
@@ -24,6 +26,7 @@ from typing import Any
 import fsspec
 
 from lm_pipeline.atomic import atomic_write_text
+from lm_pipeline.faultpoints import faultpoint
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,53 @@ def _is_local(url: str) -> bool:
 
 def _local(url: str) -> str:
     return url[len("file://") :] if url.startswith("file://") else url
+
+
+class StorageError(RuntimeError):
+    """The store could not be written (full disk, read-only filesystem, quota, permissions)."""
+
+
+_STORAGE_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only file system",
+                   errno.EDQUOT: "disk quota exceeded", errno.EACCES: "permission denied"}
+_STORAGE_TEXTS = ("no space left on device", "read-only file system", "disk quota exceeded")
+
+
+def storage_problem(exc: BaseException) -> tuple[str, str | None] | None:
+    """(what went wrong, the file if known) when ``exc`` or its causes is a storage failure.
+
+    TensorStore and Orbax report them as ``ValueError``/``RuntimeError`` whose text carries the
+    OS message, and the checkpointer re-raises them from its writer thread; the whole chain is
+    searched."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
+            return _STORAGE_ERRNOS[e.errno], e.filename
+        text = str(e).lower()
+        for needle in _STORAGE_TEXTS:
+            if needle in text:
+                return needle, None
+        stack.extend([e.__cause__, e.__context__])
+    return None
+
+
+def storage_error(exc: BaseException, what: str, where: str) -> StorageError | None:
+    """A :class:`StorageError` that says what failed, where, and what to do (None: not storage)."""
+    found = storage_problem(exc)
+    if found is None:
+        return None
+    problem, filename = found
+    hint = {"no space left on device": "free space there (or point store.root elsewhere)",
+            "read-only file system": "make it writable (or point store.root elsewhere)",
+            "disk quota exceeded": "raise the quota or free space there",
+            "permission denied": "fix the permissions there"}[problem]
+    at = f" (writing {filename})" if filename else ""
+    return StorageError(f"{what}: {problem} at {where}{at}: {hint} and run the same command again; "
+                        "complete artifacts are untouched and this one is not marked complete")
 
 
 @dataclass(frozen=True)
@@ -67,9 +117,20 @@ class ArtifactStore:
         art = self.artifact(stage, fp)
         try:
             with self.fs.open(art.manifest_path, "r") as f:
-                return json.load(f)
+                manifest = json.load(f)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            log.warning("%s: unreadable manifest (%s); treating the artifact as incomplete", art.manifest_path, e)
+            return None
+        # Only this store's commit of this address counts: a manifest.json that a stage copied in
+        # with its payload (another artifact's) must not make a partial artifact look complete.
+        if not isinstance(manifest, dict) or (manifest.get("stage"), manifest.get("fingerprint")) != (stage, fp):
+            who = (manifest.get("stage"), manifest.get("fingerprint")) if isinstance(manifest, dict) else type(manifest).__name__
+            log.warning("%s: manifest of %s, not of %s/%s; treating the artifact as incomplete",
+                        art.manifest_path, who, stage, fp)
+            return None
+        return manifest
 
     def is_complete(self, stage: str, fp: str) -> bool:
         return self.manifest(stage, fp) is not None
@@ -99,7 +160,13 @@ class ArtifactStore:
             "created": datetime.now(UTC).isoformat(),
             **info,
         }
-        atomic_write_text(art.manifest_path, json.dumps(manifest, indent=2, sort_keys=True, default=str))
+        text = json.dumps(manifest, indent=2, sort_keys=True, default=str)
+        faultpoint(f"{art.stage}.before_manifest")  # the payload is written, the marker not yet
+        atomic_write_text(art.manifest_path, text, fault=f"{art.stage}.manifest_tmp_written")
+        if _is_local(art.path):  # temporary manifests of writers that were killed mid-write
+            for stale in glob.glob(os.path.join(glob.escape(_local(art.path)), f".{MANIFEST}.tmp-*")):
+                with contextlib.suppress(OSError):
+                    os.unlink(stale)
         return manifest
 
     @contextlib.contextmanager

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from lm_pipeline import faultpoints
 from lm_pipeline.data.cache import (
-    FAULT_ENV,
     CacheError,
     CacheIncompleteError,
     CacheMismatchError,
@@ -52,6 +52,8 @@ def corpus(tmp_path_factory):
 
 
 def _builder(corpus, out: str, fault: str | None, workers: int = 1) -> subprocess.Popen:
+    """A child process building the cache at ``out``; ``fault`` arms its fault points
+    (``LM_PIPELINE_FAULTPOINT``); a paused point is reported in ``<out>.fault``."""
     args = corpus["base"] / f"args-{os.path.basename(out)}.pkl"
     args.write_bytes(pickle.dumps((corpus["shards"], corpus["tokdir"], out, workers, GROUP)))
     code = (
@@ -62,9 +64,11 @@ def _builder(corpus, out: str, fault: str | None, workers: int = 1) -> subproces
         "print('DONE', flush=True)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop(FAULT_ENV, None)
+    for name in (faultpoints.ENV, faultpoints.ENV_ACTION, faultpoints.ENV_FILE):
+        env.pop(name, None)
     if fault:
-        env[FAULT_ENV] = fault
+        env[faultpoints.ENV] = fault
+        env[faultpoints.ENV_FILE] = f"{out}.fault"
     return subprocess.Popen([sys.executable, "-c", code, str(args)], stdout=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
 
@@ -124,13 +128,16 @@ def test_special_tokens_detected_not_assumed(tmp_path, post):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("point,ordinal,committed", [("after_commit", 1, 2 * GROUP), ("before_commit", 2, 2 * GROUP)])
-def test_sigkill_midway_then_resume_is_identical(corpus, tmp_path, caplog, point, ordinal, committed):
+@pytest.mark.parametrize("point,npass,committed", [("after_commit", 2, 2 * GROUP), ("before_commit", 3, 2 * GROUP)])
+def test_sigkill_midway_then_resume_is_identical(corpus, tmp_path, caplog, point, npass, committed):
     out = str(tmp_path / "c")
-    proc = _builder(corpus, out, f"{point}:{ordinal}:hang")
+    proc = _builder(corpus, out, f"token_cache.{point}:{npass}:pause")
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("FAULT"), line
+        deadline = time.time() + 90
+        while not Path(f"{out}.fault").exists():
+            assert proc.poll() is None and time.time() < deadline, "the builder never reached the fault point"
+            time.sleep(0.05)
+        assert Path(f"{out}.fault").read_text().split() == [f"token_cache.{point}", str(npass)]
         with pytest.raises(CacheError, match="another process"):  # one builder at a time
             build_cache(out, corpus["shards"], corpus["tokdir"], num_workers=1, progress=False)
     finally:
@@ -161,7 +168,7 @@ def test_concurrent_reader_never_sees_partial_rows(corpus, tmp_path):
     ref = open_cache(corpus["ref"])
     ref_tokens, ref_off, ref_bytes = ref.read_tokens(0, ref.num_tokens), ref.doc_offsets, ref.doc_bytes
     # Slow the build down around each commit so that the reader interleaves with it.
-    proc = _builder(corpus, out, "before_commit:*:sleep=0.15,after_commit:*:sleep=0.05")
+    proc = _builder(corpus, out, "token_cache.before_commit:*:sleep=0.15,token_cache.after_commit:*:sleep=0.05")
     seen = set()
     try:
         deadline = time.time() + 90

@@ -140,3 +140,10 @@ def test_run_length_from_epochs_or_tokens():
     assert load_config().trainer.resolve_num_steps(None, 64) == 1000
     with pytest.raises(ConfigError, match="num_epochs"):
         load_config(None, {"trainer.num_epochs": 1, "trainer.num_train_steps": 5})
+
+
+@pytest.mark.parametrize("text", ["model:\n  type: []\n", "model:\n  type: {a: 1}\n", "\x08"])
+def test_found_by_the_fuzz_end_in_config_errors(tmp_path, text):
+    """Cases tests/faults/test_config_fuzz.py found: a list as a type name, a control character."""
+    with pytest.raises(ConfigError):
+        load_config(write(tmp_path, "c.yaml", text))

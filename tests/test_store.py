@@ -127,3 +127,41 @@ def test_lock_of_a_killed_writer_is_released(tmp_path):
     finally:
         if p.is_alive():
             p.kill()
+
+
+def test_a_foreign_or_corrupt_manifest_is_not_completion(tmp_path, caplog):
+    """A manifest.json copied in with a payload (e.g. a tokenizer dir inside an export) or a torn
+    one never makes a partial artifact look complete."""
+    store = ArtifactStore(str(tmp_path))
+    other = store.commit(store.artifact("tokenizer", "aaaa"), {"summary": {}})
+    art = store.artifact("hf_export", "bbbb")
+    os.makedirs(art.path)
+    with open(art.manifest_path, "w") as f:
+        json.dump(other, f)
+    with caplog.at_level("WARNING", logger="lm_pipeline.store"):
+        assert store.manifest("hf_export", "bbbb") is None
+    assert "manifest of ('tokenizer', 'aaaa')" in caplog.text
+    with open(art.manifest_path, "w") as f:
+        f.write('{"stage": "hf_ex')
+    assert store.manifest("hf_export", "bbbb") is None
+    store.commit(art, {})
+    assert store.is_complete("hf_export", "bbbb")
+    assert not [n for n in os.listdir(art.path) if n.startswith(".")]  # no temporary files left
+
+
+def test_storage_errors_name_the_problem_and_the_place():
+    import errno
+
+    from lm_pipeline.store import storage_error
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/s/x/ledger.json")
+    err = storage_error(full, "token_cache ab12", "/s/token_cache/ab12")
+    assert "no space left on device at /s/token_cache/ab12 (writing /s/x/ledger.json)" in str(err)
+    try:  # as TensorStore/Orbax report it: text only, wrapped by the checkpointer's thread
+        try:
+            raise ValueError("Error writing local file \"/s/c/0\": [OS error 30: Read-only file system]")
+        except ValueError as inner:
+            raise RuntimeError("checkpoint save of step 2 failed") from inner
+    except RuntimeError as outer:
+        assert "read-only file system at /r" in str(storage_error(outer, "train_ckpt ff", "/r"))
+    assert storage_error(ValueError("shape mismatch"), "x", "/r") is None

@@ -57,6 +57,7 @@ from lm_pipeline.data.encode import (
     worker_encode,
     worker_init,
 )
+from lm_pipeline.faultpoints import faultpoint
 
 __all__ = [
     "FORMAT_VERSION",
@@ -334,12 +335,13 @@ def _incompatibility(ledger: Mapping[str, Any], info: TokenizerInfo, plan: Mappi
 
 
 def _fault(point: str, ordinal: int) -> None:
-    """Test hook, armed by ``LM_PIPELINE_CACHE_FAULT="point:group:action[,...]"``.
+    """Pass the fault point ``token_cache.<point>`` (see :mod:`lm_pipeline.faultpoints`).
 
-    point: ``before_commit`` (group written to the arrays, ledger not yet replaced) or
-    ``after_commit``; group: the ordinal of the group within this run, or ``*``; action: ``hang``
-    (print ``FAULT <point> <group>`` on stdout and sleep until killed) or ``sleep=<seconds>``.
+    Deprecated alias, kept until its last user moves to ``LM_PIPELINE_FAULTPOINT``:
+    ``LM_PIPELINE_CACHE_FAULT="point:group:sleep=<seconds>[,...]"`` (group: the 0-based ordinal of
+    the commit within this run, or ``*``) slows commits down.
     """
+    faultpoint(f"token_cache.{point}")
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
@@ -347,12 +349,9 @@ def _fault(point: str, ordinal: int) -> None:
         p, g, action = item.split(":", 2)
         if p != point or (g != "*" and int(g) != ordinal):
             continue
-        if action == "hang":
-            print(f"FAULT {point} {ordinal}", flush=True)
-            while True:
-                time.sleep(3600)
-        elif action.startswith("sleep="):
-            time.sleep(float(action.split("=", 1)[1]))
+        if not action.startswith("sleep="):
+            raise ValueError(f"{FAULT_ENV}: only sleep=<seconds> is supported; use LM_PIPELINE_FAULTPOINT")
+        time.sleep(float(action.split("=", 1)[1]))
 
 
 # --- building --------------------------------------------------------------------------------
@@ -576,6 +575,7 @@ def _finalize(root: _Root, ledger: dict[str, Any], arrays: dict[str, ts.TensorSt
     ledger["complete"] = True
     data = _dumps(ledger)
     root.write_atomic(LEDGER, data)
+    faultpoint("token_cache.before_complete")  # ledger says complete, the marker is not there yet
     marker = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

@@ -42,6 +42,7 @@ Fingerprints
 
 from __future__ import annotations
 
+import contextlib
 import glob as _glob
 import gzip
 import hashlib
@@ -216,6 +217,21 @@ def _decompress(stream, compression: str | None):
             zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True, closefd=False)
         )
     return io.BufferedReader(stream) if isinstance(stream, io.RawIOBase) else stream
+
+
+def _corrupt_stream_errors() -> tuple[type[BaseException], ...]:
+    """What a truncated or corrupt compressed stream raises while being read."""
+    import zlib
+
+    errors: list[type[BaseException]] = [EOFError, zlib.error, gzip.BadGzipFile]
+    with contextlib.suppress(ImportError):
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    return tuple(errors)
+
+
+_CORRUPT_STREAM = _corrupt_stream_errors()
 
 
 def _sha256_of(url: str) -> str:
@@ -681,6 +697,12 @@ class Shard:
                     yield from reader(stream, s, report)
                 except DataValidationError as e:  # file-level problems raised without a source
                     raise DataValidationError(self.url, e.location, e.reason, e.detail, e.hint) from None
+                except _CORRUPT_STREAM as e:  # under either policy: the rest of the file is unreadable
+                    raise DataValidationError(
+                        self.url, "", "corrupt_file",
+                        f"the {s.compression or s.format} stream is truncated or corrupt ({type(e).__name__}: {e})",
+                        "re-download or re-compress the file, or remove it from the data urls",
+                    ) from None
                 digest = hashing.drain()
         expected = self._raw_sha256
         if expected is not None and digest != expected:

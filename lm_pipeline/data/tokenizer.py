@@ -21,12 +21,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from lm_pipeline.data.config import TokenizerConfig
+from lm_pipeline.faultpoints import faultpoint
 
 __all__ = [
     "TokenizerInfo",
@@ -117,7 +119,9 @@ def _write_dir(
     if additional:
         smap["additional_special_tokens"] = list(additional)
     _atomic_write(os.path.join(out, CONFIG_FILE), _json_bytes(config))
+    faultpoint("tokenizer.after_config")  # the first file is written
     _atomic_write(os.path.join(out, SPECIAL_MAP_FILE), _json_bytes(smap))
+    faultpoint("tokenizer.after_special_map")
     _atomic_write(os.path.join(out, TOKENIZER_FILE), tokenizer_json)
     return tokenizer_info(out)
 
@@ -137,6 +141,31 @@ def _capped(texts: Iterable[str], max_chars: int | None) -> Iterator[str]:
             t = t[:left]
         left -= len(t)
         yield t
+
+
+#: BPE training is quadratic in the length of a pre-token (a 1 MB word takes a quarter of an hour):
+#: runs of non-space characters longer than this are cut into pieces of this size for training
+#: (only training: encoding with the trained tokenizer sees the text unchanged).
+MAX_TRAIN_WORD = 1000
+_LONG_RUN = re.compile(rf"\S{{{MAX_TRAIN_WORD + 1},}}")
+
+
+def _split_long_words(texts: Iterable[str]) -> Iterator[str]:
+    """The texts, each long run of non-space characters cut into ``MAX_TRAIN_WORD`` pieces
+    (yielded as separate texts, so no training word is longer)."""
+    for text in texts:
+        if len(text) <= MAX_TRAIN_WORD or _LONG_RUN.search(text) is None:
+            yield text
+            continue
+        pos = 0
+        for m in _LONG_RUN.finditer(text):
+            if m.start() > pos:
+                yield text[pos : m.start()]
+            for i in range(m.start(), m.end(), MAX_TRAIN_WORD):
+                yield text[i : min(i + MAX_TRAIN_WORD, m.end())]
+            pos = m.end()
+        if pos < len(text):
+            yield text[pos:]
 
 
 def _progress(texts: Iterable[str], total: int | None, show: bool | None) -> Iterable[str]:
@@ -189,10 +218,10 @@ def train_bpe(
     """
     if check_determinism and iter(texts) is texts:
         raise ValueError("check_determinism needs re-iterable texts (a list or tuple), not an iterator")
-    stream = _progress(_capped(texts, cfg.max_train_chars), length, progress)
+    stream = _split_long_words(_progress(_capped(texts, cfg.max_train_chars), length, progress))
     data = _train_once(stream, cfg, length)
     if check_determinism:
-        again = _train_once(_capped(texts, cfg.max_train_chars), cfg, length)
+        again = _train_once(_split_long_words(_capped(texts, cfg.max_train_chars)), cfg, length)
         if again != data:
             raise TokenizerError("BPE training is not deterministic here: two runs on the same texts differ")
     first = cfg.special_tokens[0]

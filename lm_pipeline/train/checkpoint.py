@@ -58,6 +58,7 @@ import jax
 import numpy as np
 
 from lm_pipeline import atomic
+from lm_pipeline.faultpoints import faultpoint
 from lm_pipeline.schema import ConfigError, field
 
 logger = logging.getLogger(__name__)
@@ -774,6 +775,7 @@ class Checkpointer:
                     atomic.atomic_write_bytes(target, value.encode() if isinstance(value, str) else value)
         ocp.multihost.sync_global_processes(f"lm_pipeline_checkpoint_prepare_{step}_{self._counter}")
 
+        faultpoint("checkpoint.before_arrays")  # the step dir and its extra files exist
         if flat:
             if self._orbax is None:
                 self._orbax = ocp.AsyncCheckpointer(_new_pytree_handler(), timeout_secs=_TIMEOUT_S)
@@ -841,6 +843,7 @@ class Checkpointer:
                     now = time.time()
                     marker["unix_time"] = now
                     marker["timestamp"] = datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat()
+                    faultpoint("checkpoint.before_marker")  # arrays written, marker not yet
                     self._write_marker(path, marker)
                     if update_best:
                         self._materialize_best(path, marker)
@@ -921,7 +924,7 @@ class Checkpointer:
     # ---------------------------------------------------------------- internals (process 0)
 
     def _write_marker(self, path: str, marker: dict) -> None:
-        atomic.atomic_write_json(atomic.join(path, MARKER), marker)
+        atomic.atomic_write_json(atomic.join(path, MARKER), marker, fault="checkpoint.marker_tmp_written")
 
     def _reuse_existing(self, path: str, marker: dict, kind: Kind, loss: float | None, update_best: bool) -> None:
         changed = []
