@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lm_pipeline.schema import ConfigError
+from lm_pipeline.store import StorageError
 
 COMMANDS = {
     "train": "train a model (builds the tokenizer and token cache first if needed)",
@@ -183,6 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FloatingPointError as e:  # a NaN/Inf loss without optimizer.skip_bad_steps
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except StorageError as e:  # full disk, read-only store: the message names the path and the fix
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

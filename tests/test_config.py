@@ -147,3 +147,10 @@ def test_found_by_the_fuzz_end_in_config_errors(tmp_path, text):
     """Cases tests/faults/test_config_fuzz.py found: a list as a type name, a control character."""
     with pytest.raises(ConfigError):
         load_config(write(tmp_path, "c.yaml", text))
+
+
+@pytest.mark.parametrize("bad", ["../escape", "a/b", "", ".hidden", "x..y"])
+def test_trainer_id_must_be_a_plain_name(bad):
+    with pytest.raises(ConfigError, match="trainer.id.*plain name"):
+        load_config(None, {"trainer.id": bad})
+    assert load_config(None, {"trainer.id": "gpt2-small_run.1"}).trainer.id == "gpt2-small_run.1"

@@ -7,6 +7,7 @@ Field names follow Levanter's ``TrainerConfig``; the spellings used in Levanter'
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -158,6 +159,10 @@ class TrainerConfig:
         return data
 
     def validate(self) -> None:
+        if self.id is not None and (not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.id) or ".." in self.id):
+            # the id names a directory (<base_path>/<id>) and a log file (<log_dir>/<id>.log)
+            raise ConfigError("id", f"{self.id!r} is not a plain name; use letters, digits, '.', '_', '-' "
+                              "(no '/', no '..'), e.g. gpt2-small-run1")
         lengths = [n for n in ("num_train_steps", "num_epochs", "train_tokens") if getattr(self, n) is not None]
         if len(lengths) > 1:
             raise ConfigError(lengths[1], f"give only one of num_train_steps, num_epochs, train_tokens (got {', '.join(lengths)})")

@@ -4,6 +4,7 @@ cannot leave the store root."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import re
 import secrets
@@ -96,8 +97,13 @@ def test_artifact_paths_from_configs_cannot_escape_the_store(tmp_path, note):
             store.artifact(stage, fp)
         tried += 1
     for rid in ("../escape", "..", "a/../../b", "/abs", "x/y"):
-        cfg = load_config(None, {"trainer.id": rid, "store.root": str(tmp_path / "store"),
+        with pytest.raises(ConfigError, match="trainer.id"):  # refused when the config is loaded
+            load_config(None, {"trainer.id": rid, "store.root": str(tmp_path / "store"),
+                               "trainer.checkpointer.base_path": str(tmp_path / "runs")})
+        cfg = load_config(None, {"store.root": str(tmp_path / "store"),
                                  "trainer.checkpointer.base_path": str(tmp_path / "runs")})
+        # ... and by the pipeline, for a config built without validation
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, id=rid))
         with pytest.raises(ConfigError, match="trainer.id"):
             Pipeline(cfg, progress=False).run_dir()
         tried += 1
