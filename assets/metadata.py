@@ -1,22 +1,19 @@
 """Dagster metadata for each stage's result: what a user wants to see on an asset's page.
 
 Every materialization carries ``path``, ``fingerprint``, ``cache_hit`` and ``seconds``, plus the
-stage's counts and sizes; training adds its loss curve (a PNG embedded as a markdown image and
-saved beside the run) and final metrics; evaluation adds its report as a table.
+stage's counts and sizes; training adds its plots (loss, learning rate, eval bpb, throughput: PNGs
+embedded as markdown images and saved under ``<run_dir>/plots/``) and final metrics; evaluation adds its report as a table.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import dagster as dg
-
-LOSS_CURVE = "loss_curve.png"
 
 
 def _num(v: Any) -> Any:
@@ -105,51 +102,36 @@ def token_cache(res) -> dict[str, Any]:
     return md
 
 
-def _read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    out = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    try:
-                        out.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        pass
-    except OSError:
-        pass
-    return out
+def _png_md(title: str, path: str) -> dg.MetadataValue:
+    with open(path, "rb") as f:
+        b64 = base64.b64encode(f.read()).decode("ascii")
+    return dg.MetadataValue.md(f"![{title}](data:image/png;base64,{b64})")
 
 
-def loss_curve_png(run_dir: str, out_path: str | None = None) -> str | None:
-    """Plot train/eval loss against step from ``<run_dir>/metrics.jsonl`` into a PNG; its path."""
-    records = _read_metrics(run_dir)
-    train = [(r["step"], r["train/loss"]) for r in records if _num(r.get("train/loss")) is not None]
-    evals = [(r["step"], r["eval/loss"]) for r in records if _num(r.get("eval/loss")) is not None]
-    if not train and not evals:
-        return None
-    out_path = out_path or os.path.join(run_dir, LOSS_CURVE)
-    import matplotlib
+# metadata key -> (plot file in <run_dir>/plots/, alt text)
+TRAINING_PLOTS = {"loss_curve": ("loss.png", "loss curve"),
+                  "learning_rate_curve": ("learning_rate.png", "learning rate"),
+                  "eval_bpb_curve": ("eval_bpb.png", "eval bpb per checkpoint"),
+                  "throughput_curve": ("tokens_per_second.png", "tokens per second")}
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=80)
-    if train:
-        ax.plot(*zip(*train, strict=True), label="train/loss", lw=1.2)
-    if evals:
-        ax.plot(*zip(*evals, strict=True), "o-", label="eval/loss", lw=1.2, ms=4)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = out_path + ".tmp.png"
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    os.replace(tmp, out_path)
-    return out_path
+def training_plots(run_dir: str) -> dict[str, Any]:
+    """The run's plots (written by :func:`lm_pipeline.plots.write_training_plots` when missing) as
+    markdown images, each with the path of its PNG beside the run."""
+    from lm_pipeline.plots import PLOTS_DIR, write_training_plots
+
+    md: dict[str, Any] = {}
+    if "://" in run_dir:
+        return md
+    plots = os.path.join(run_dir, PLOTS_DIR)
+    if not os.path.exists(os.path.join(plots, "loss.png")):
+        write_training_plots(run_dir)
+    for key, (name, title) in TRAINING_PLOTS.items():
+        png = os.path.join(plots, name)
+        if os.path.exists(png):
+            md[key] = _png_md(title, png)
+            md[f"{key}_path"] = dg.MetadataValue.path(png)
+    return md
 
 
 def train_ckpt(res, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -173,18 +155,7 @@ def train_ckpt(res, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     final = {k: v for k, v in s.items() if "/" in k and _num(v) is not None}
     if final:
         md["final_metrics"] = dg.MetadataValue.json(final)
-    if "://" not in run_dir:
-        png = os.path.join(run_dir, LOSS_CURVE)
-        if not os.path.exists(png):
-            try:
-                png = loss_curve_png(run_dir) or ""
-            except Exception:  # a plot is a nicety
-                png = ""
-        if png and os.path.exists(png):
-            with open(png, "rb") as f:
-                b64 = base64.b64encode(f.read()).decode("ascii")
-            md["loss_curve"] = dg.MetadataValue.md(f"![loss curve](data:image/png;base64,{b64})")
-            md["loss_curve_path"] = dg.MetadataValue.path(png)
+    md.update(training_plots(run_dir))
     for k, v in (extra or {}).items():
         md.setdefault(k, v)
     return md

@@ -46,9 +46,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from lm_pipeline import atomic
 from lm_pipeline.batch import SequenceDataset
+from lm_pipeline.faultpoints import faultpoint
 from lm_pipeline.models.base import LmModel
 from lm_pipeline.schema import ConfigError, field
 
@@ -422,8 +424,12 @@ def evaluate_model(
     max_eval_batches: int | None = None,
     compute_dtype: Any = None,
     unigram: UnigramBaseline | np.ndarray | None = None,
+    progress: bool | None = None,
 ) -> dict[str, DatasetMetrics]:
     """Sum of next-token nats, tokens and bytes per dataset (see the module docstring).
+
+    ``progress``: a tqdm bar per dataset (batches, rate, ETA; its last state is the summary line);
+    None = only when stderr is a terminal.
 
     Rows ``0 .. min(len, max_eval_batches * batch_size) - 1`` are evaluated in order, each once;
     a final partial batch is padded (to keep one compiled shape) and the padding ignored.
@@ -449,6 +455,8 @@ def evaluate_model(
         nbytes = 0.0 if counter.kind != "none" else None
         uni = 0.0 if logp is not None else None
         batches = 0
+        bar = tqdm(total=-(-n_eval // batch_size), desc=f"eval {name}", unit="batch",
+                   disable=None if progress is None else not progress, leave=True)
         for start in range(0, n_eval, batch_size):
             rows = np.arange(start, min(start + batch_size, n_eval), dtype=np.int64)
             real = len(rows)
@@ -470,6 +478,11 @@ def evaluate_model(
                     raise ValueError(f"{name}: token id {int(targets.max())} is outside the unigram vocabulary ({len(logp)})")
                 uni += float((-logp[targets] * mask).sum())
             batches += 1
+            bar.update(1)
+            if tokens:
+                bar.set_postfix(loss=f"{nats / tokens:.4f}", refresh=False)
+            faultpoint("eval.after_batch")
+        bar.close()
         if tokens == 0:
             raise ValueError(f"validation set {name!r}: no token was predicted (rows of single tokens?)")
         out[name] = DatasetMetrics(nats, tokens, nbytes, uni, n_eval, batches, time.perf_counter() - t0)

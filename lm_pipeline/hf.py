@@ -31,13 +31,16 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+from tqdm.auto import tqdm
 
+from lm_pipeline.faultpoints import faultpoint
 from lm_pipeline.models.base import LmConfig, LmModel
 from lm_pipeline.models.gpt2 import Gpt2Config
 from lm_pipeline.models.hf_mapping import from_hf_state_dict, hf_config, to_hf_state_dict
@@ -277,6 +280,7 @@ def export_hf(
     dtype: str | None = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = True,
+    progress: bool | None = None,
 ) -> str:
     """Write a Hugging Face ``transformers`` model directory (see the module docstring).
 
@@ -291,6 +295,7 @@ def export_hf(
             vocabulary padded beyond it is sliced off.
         dtype: 'float32', 'bfloat16' or 'float16'; None keeps the parameters' dtype.
         max_shard_size: the largest safetensors file before sharding ('5GB', '500MB', bytes).
+        progress: a tqdm bar of the bytes written; None = only when stderr is a terminal.
 
     Returns the export directory.
     """
@@ -323,8 +328,15 @@ def export_hf(
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
+    nbytes = sum(int(a.nbytes) for a in state.values())
+    bar = tqdm(total=nbytes, desc="export", unit="B", unit_scale=True, disable=None if progress is None else not progress)
+    t0 = time.perf_counter()
     try:
+        bar.set_postfix_str("weights", refresh=False)
         _write_safetensors(state, tmp, max_shard_size)
+        bar.update(nbytes)
+        faultpoint("export.after_weights")
+        bar.set_postfix_str("config and tokenizer", refresh=False)
         _write_json(os.path.join(tmp, CONFIG_NAME), _export_config_json(cfg, vocab, _dtype_name(first.dtype), ids))
         gen = {"_from_model_config": True, **{k: v for k, v in ids.items() if v is not None}}
         _write_json(os.path.join(tmp, GENERATION_CONFIG_NAME), gen)
@@ -334,7 +346,10 @@ def export_hf(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("exported %s model (vocab %d, %s) to %s", getattr(cfg, "type", "?"), vocab, _dtype_name(first.dtype), out)
+    finally:
+        bar.close()
+    log.info("exported %s model (vocab %d, %s, %.1f MB) to %s in %.1fs", getattr(cfg, "type", "?"), vocab,
+             _dtype_name(first.dtype), nbytes / 1e6, out, time.perf_counter() - t0)
     return out
 
 

@@ -647,7 +647,8 @@ class Pipeline:
 
             ex = self.export_config
             t0 = time.perf_counter()
-            export_hf(ckpt, path, dtype=ex.dtype, max_shard_size=ex.max_shard_size, overwrite=True)
+            export_hf(ckpt, path, dtype=ex.dtype, max_shard_size=ex.max_shard_size, overwrite=True,
+                      progress=None if self.progress else False)
             files = sorted(p.name for p in Path(path).iterdir() if p.is_file())
             size = sum((Path(path) / f).stat().st_size for f in files)
             summary: dict[str, Any] = {"step": step, "checkpoint": ckpt, "files": files, "bytes": size,

@@ -261,3 +261,25 @@ def test_runtime_resources_change_only_non_semantic_fields(experiment, monkeypat
     assert TrainingLauncherResource.from_env().mode == "in_process"
     with pytest.raises(dg.Failure):
         TrainingLauncherResource(mode="ssh").validate_mode()
+
+
+def test_training_plots_are_written_beside_the_run(tmp_path):
+    import json
+
+    from lm_pipeline.plots import write_eval_plot, write_training_plots
+
+    assert write_training_plots(str(tmp_path)) == []  # no metrics: no plots, no error
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": s, "train/loss": 5.0 - s / 10, "optim/learning_rate": 1e-3 * s / 10,
+         "throughput/tokens_per_second": 1000.0 + s, "throughput/step_seconds": 0.1} for s in range(2, 12, 2)] + [
+        {"step": s, "eval/loss": 4.0 - s / 10, "eval/a/bpb": 3.0 - s / 10, "eval/b/bpb": 3.5 - s / 10} for s in (5, 10)])
+        + "{torn")
+    paths = write_training_plots(str(tmp_path))
+    assert sorted(Path(p).name for p in paths) == ["eval_bpb.png", "learning_rate.png", "loss.png",
+                                                     "tokens_per_second.png"]
+    for p in paths:
+        assert Path(p).parent == tmp_path / "plots" and Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = [{"dataset": d, "step": s, "bpb": 2.0} for d in ("a", "b", "_macro") for s in (3, 6)]
+    out = write_eval_plot(rows, str(tmp_path / "eval" / "bpb.png"))
+    assert out and Path(out).stat().st_size > 1000
+    assert write_eval_plot([], str(tmp_path / "none.png")) is None

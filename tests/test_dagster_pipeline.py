@@ -90,6 +90,9 @@ def test_materialize_everything_through_pipes_then_nothing_to_do(tmp_path):
     assert train["final_step"].value == 6 and "train/loss" in train and "eval/loss" in train
     assert train["loss_curve"].value.startswith("![loss curve](data:image/png;base64,")
     assert Path(train["loss_curve_path"].value).is_file()
+    for key in ("learning_rate_curve", "eval_bpb_curve", "throughput_curve"):  # the other plots, beside the run
+        assert train[key].value.startswith("![") and "data:image/png;base64," in train[key].value
+        assert Path(train[f"{key}_path"].value).parent == Path(train["run_dir"].value, "plots")
     assert train["path"].value == f"{tmp_path}/store/train_ckpt/{fps['train_ckpt']}"
     report = h.latest("eval_report").metadata["report"].value
     datasets = {r.data["dataset"] for r in report.records}

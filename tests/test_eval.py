@@ -286,3 +286,16 @@ class _Empty:
     def get_many(self, indices):
         raise AssertionError("never read")
 
+
+
+def test_evaluate_model_shows_progress_and_passes_its_faultpoint(data, tmp_path, capsys, monkeypatch):
+    trace = tmp_path / "trace"
+    monkeypatch.setenv("LM_PIPELINE_FAULTPOINT_TRACE", str(trace))
+    sets = {"validation": CacheDataset(data["validation"], 4, "concat")}
+    shown = evaluate_model(uniform_model(), sets, batch_size=2, progress=True)["validation"]
+    assert shown.batches >= 2
+    err = capsys.readouterr().err
+    assert "eval validation" in err and "100%" in err and "batch" in err
+    assert trace.read_text().split().count("eval.after_batch") == shown.batches
+    evaluate_model(uniform_model(), sets, batch_size=2)  # not a terminal: quiet
+    assert "eval validation" not in capsys.readouterr().err

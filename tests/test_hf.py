@@ -281,3 +281,15 @@ def test_export_hook_writes_every_n_steps(tmp_path, tokdir):
     out = tmp_path / "hf" / "step-10"
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+
+
+def test_export_shows_progress_and_passes_its_faultpoint(tmp_path, tokdir, capsys, monkeypatch):
+    trace = tmp_path / "trace"
+    monkeypatch.setenv("LM_PIPELINE_FAULTPOINT_TRACE", str(trace))
+    out = export_hf(make(LLAMA), tmp_path / "shown", tokenizer_dir=tokdir, progress=True)
+    err = capsys.readouterr().err
+    assert "export" in err and "100%" in err  # the bar's final state: bytes written, rate
+    assert "export.after_weights" in trace.read_text().split()
+    export_hf(make(LLAMA), tmp_path / "quiet", tokenizer_dir=tokdir)  # not a terminal: no bar
+    assert "export" not in capsys.readouterr().err
+    assert pathlib.Path(out, "model.safetensors").is_file()

@@ -54,6 +54,9 @@ def test_train_learns_and_logs(tmp_path):
     evals = [r for r in rows if "eval/held/loss" in r]
     assert [r["step"] for r in evals] == [40, 80] and evals[-1]["eval/held/loss"] < np.log(64) * 0.5
     assert list((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents*"))
+    for name in ("loss.png", "learning_rate.png", "eval_bpb.png", "tokens_per_second.png"):
+        png = tmp_path / "run" / "plots" / name
+        assert name == "eval_bpb.png" or png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name  # no bpb without eval bytes
     assert (tmp_path / "logs" / "t1.log").read_text().count("finished t1") == 1
     # the last step's checkpoint is complete and describes itself
     last = latest_checkpoint(tmp_path / "run")

@@ -550,7 +550,7 @@ def _build(
     committer = _Committer(root, ledger, arrays)
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(shards), initial=done, desc="tokenize", unit="shard", disable=not progress,
+    bar = tqdm(total=len(shards), initial=done, desc="tokenize", unit="shard", disable=None if progress else True,
                dynamic_ncols=True, file=sys.stderr)
     try:
         for i, part in enumerate(results):

@@ -226,6 +226,10 @@ def train(
     result.train_seconds = time.perf_counter() - t_start
     tracker.log_summary(result.metrics)
     tracker.finish()
+    if jax.process_index() == 0 and "://" not in run_dir:  # loss / lr / bpb / tokens/s PNGs beside the checkpoints
+        from lm_pipeline.plots import write_training_plots
+
+        write_training_plots(run_dir)
     if result.metrics:
         log.info("finished %s at step %d: %s", run_id, result.final_step, json.dumps(result.metrics))
     return result
