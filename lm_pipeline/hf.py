@@ -326,7 +326,11 @@ def export_hf(
         raise ValueError(f"export_hf writes local directories; got {out_dir!r} (export locally, then upload)")
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex[:8]}")
+    stale_prefix = f".{os.path.basename(out)}.tmp-"
+    for name in os.listdir(parent):  # left by an export that was killed (exports of one directory run one at a time)
+        if name.startswith(stale_prefix):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    tmp = os.path.join(parent, f"{stale_prefix}{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     nbytes = sum(int(a.nbytes) for a in state.values())
     bar = tqdm(total=nbytes, desc="export", unit="B", unit_scale=True, disable=None if progress is None else not progress)
