@@ -13,9 +13,11 @@ All helpers create missing parent directories. Only the standard library and fss
 from __future__ import annotations
 
 import contextlib
+import glob
 import io
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from typing import IO, Any
@@ -33,6 +35,8 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "get_fs",
+    "remove_stale_temps",
+    "temp_sibling",
     "is_local",
     "join",
     "local_path",
@@ -89,10 +93,28 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def temp_sibling(target: str) -> str:
+    """A fresh temporary name beside local ``target`` (``.<name>.tmp-<random>``), for a file or
+    directory that is written whole and then renamed onto ``target``."""
+    return os.path.join(os.path.dirname(target) or ".", f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+def remove_stale_temps(target: str) -> None:
+    """Remove :func:`temp_sibling` leftovers of ``target`` (files or directories) that writers
+    killed mid-write left behind. Call it only while no other writer of ``target`` runs."""
+    pattern = os.path.join(glob.escape(os.path.dirname(target) or "."), f".{glob.escape(os.path.basename(target))}.tmp-*")
+    for stale in glob.glob(pattern):
+        if os.path.isdir(stale) and not os.path.islink(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(stale)
+
+
 def _local_write(target: str, data: bytes, fault: str | None = None) -> None:
     directory = os.path.dirname(target) or "."
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:12]}")
+    tmp = temp_sibling(target)
     try:
         with open(tmp, "xb") as f:  # "x": never clobber; permissions follow the umask
             f.write(data)

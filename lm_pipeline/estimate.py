@@ -460,12 +460,6 @@ def _classify(
     return _Saved(total, attention, logits)
 
 
-def saves_only_dots(model_cfg, compute_dtype, platform: str) -> bool:
-    from lm_pipeline.train.trainer import saves_only_dots as rule
-
-    return rule(model_cfg, compute_dtype, platform)
-
-
 def _unroll_max_layers() -> int:
     from lm_pipeline.models import layers
 
@@ -484,6 +478,8 @@ def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments
     # unrolled stack (``scan_blocks`` unrolls short low-precision stacks without checkpointing)
     # or recomputed inside one layer stay bf16, except attention's.
     unrolled = not remat and layers <= _unroll_max_layers() and jnp.dtype(compute_dtype) != jnp.float32
+    from lm_pipeline.train.trainer import saves_only_dots
+
     # f32 on CPU without checkpointing: the trainer saves only matmul outputs per layer.
     dots = not remat and saves_only_dots(cfg, compute_dtype, platform)
 

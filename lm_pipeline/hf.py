@@ -40,6 +40,7 @@ from typing import Any, Literal
 import numpy as np
 from tqdm.auto import tqdm
 
+from lm_pipeline import atomic
 from lm_pipeline.faultpoints import faultpoint
 from lm_pipeline.models.base import LmConfig, LmModel
 from lm_pipeline.models.gpt2 import Gpt2Config
@@ -326,11 +327,8 @@ def export_hf(
         raise ValueError(f"export_hf writes local directories; got {out_dir!r} (export locally, then upload)")
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    stale_prefix = f".{os.path.basename(out)}.tmp-"
-    for name in os.listdir(parent):  # left by an export that was killed (exports of one directory run one at a time)
-        if name.startswith(stale_prefix):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-    tmp = os.path.join(parent, f"{stale_prefix}{uuid.uuid4().hex[:8]}")
+    atomic.remove_stale_temps(out)  # left by an export that was killed (exports of one directory run one at a time)
+    tmp = atomic.temp_sibling(out)
     os.makedirs(tmp)
     nbytes = sum(int(a.nbytes) for a in state.values())
     bar = tqdm(total=nbytes, desc="export", unit="B", unit_scale=True, disable=None if progress is None else not progress)

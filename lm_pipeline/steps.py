@@ -548,12 +548,10 @@ class Pipeline:
 
     def run_id(self) -> str:
         """The training run's id: ``trainer.id`` if set, else the train_ckpt fingerprint."""
-        rid = self.cfg.trainer.id
-        if rid is not None and (not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", rid) or ".." in rid):
-            # the id names a directory (<base_path>/<id>, <log_dir>/<id>.log): it must stay one
-            raise ConfigError("trainer.id", f"{rid!r} is not a plain name; use letters, digits, '.', '_', '-' "
-                              "(no '/', no '..'), e.g. gpt2-small-run1")
-        return rid or self.address("train_ckpt").fingerprint
+        from lm_pipeline.train.config import check_run_id
+
+        rid = self.cfg.trainer.id  # checked again: a config built without validation may carry any id
+        return check_run_id(rid) if rid is not None else self.address("train_ckpt").fingerprint
 
     def run_dir(self) -> str:
         """Where the training run lives: the store address, or ``checkpointer.base_path/<run id>``."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import glob
 import json
 import logging
 import os
@@ -25,7 +24,7 @@ from typing import Any
 
 import fsspec
 
-from lm_pipeline.atomic import atomic_write_text
+from lm_pipeline.atomic import atomic_write_text, remove_stale_temps
 from lm_pipeline.faultpoints import faultpoint
 
 log = logging.getLogger(__name__)
@@ -164,9 +163,7 @@ class ArtifactStore:
         faultpoint(f"{art.stage}.before_manifest")  # the payload is written, the marker not yet
         atomic_write_text(art.manifest_path, text, fault=f"{art.stage}.manifest_tmp_written")
         if _is_local(art.path):  # temporary manifests of writers that were killed mid-write
-            for stale in glob.glob(os.path.join(glob.escape(_local(art.path)), f".{MANIFEST}.tmp-*")):
-                with contextlib.suppress(OSError):
-                    os.unlink(stale)
+            remove_stale_temps(os.path.join(_local(art.path), MANIFEST))
         return manifest
 
     @contextlib.contextmanager

@@ -49,7 +49,7 @@ def _instance(home: Path) -> dg.DagsterInstance:
 def test_two_simultaneous_materializations_leave_one_intact_artifact(tmp_path):
     experiment = pt.write_config(tmp_path)
     env = pt.subprocess_env(tmp_path, experiment)
-    env["LM_PIPELINE_CACHE_FAULT"] = "before_commit:*:sleep=0.5"  # slow each group down: the runs overlap
+    env["LM_PIPELINE_FAULTPOINT"] = "token_cache.before_commit:*:sleep=0.5"  # slow each group down: the runs overlap
     keys = "raw_shards,tokenizer,token_cache"
     procs = [subprocess.Popen([sys.executable, MATERIALIZE, keys], env=env, cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -81,7 +81,7 @@ def test_multiprocess_fan_out_builds_the_single_process_cache(tmp_path):
     experiment = pt.write_config(tmp_path)
     home = tmp_path / "dagster_home"
     env = pt.subprocess_env(tmp_path, experiment, dagster_home=home)
-    env["LM_PIPELINE_CACHE_FAULT"] = "before_commit:*:sleep=1"  # each group takes >= 1 s: overlap is visible
+    env["LM_PIPELINE_FAULTPOINT"] = "token_cache.before_commit:*:sleep=1"  # each group takes >= 1 s: overlap is visible
     _run(_dagster("asset", "materialize", "-m", "assets.definitions", "--select", "raw_shards,tokenizer,token_cache"),
          env)
     with _instance(home) as instance:

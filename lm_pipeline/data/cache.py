@@ -36,7 +36,6 @@ import multiprocessing
 import os
 import shutil
 import sys
-import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -87,7 +86,6 @@ ARRAYS: dict[str, tuple[str, int, int]] = {
     "doc_bytes": ("int64", 1 << 17, 1 << 12),
 }
 _KNOWN_ENTRIES = {LEDGER, COMPLETE, LOCK, PACKING_DIR, *ARRAYS}
-FAULT_ENV = "LM_PIPELINE_CACHE_FAULT"
 
 # One context for the process: shares the chunk cache and makes memory:// stores visible across
 # opens. Cached chunks are revalidated on every read, so readers of a growing cache stay fresh.
@@ -334,26 +332,6 @@ def _incompatibility(ledger: Mapping[str, Any], info: TokenizerInfo, plan: Mappi
 # --- fault injection (tests) -----------------------------------------------------------------
 
 
-def _fault(point: str, ordinal: int) -> None:
-    """Pass the fault point ``token_cache.<point>`` (see :mod:`lm_pipeline.faultpoints`).
-
-    Deprecated alias, kept until its last user moves to ``LM_PIPELINE_FAULTPOINT``:
-    ``LM_PIPELINE_CACHE_FAULT="point:group:sleep=<seconds>[,...]"`` (group: the 0-based ordinal of
-    the commit within this run, or ``*``) slows commits down.
-    """
-    faultpoint(f"token_cache.{point}")
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    for item in spec.split(","):
-        p, g, action = item.split(":", 2)
-        if p != point or (g != "*" and int(g) != ordinal):
-            continue
-        if not action.startswith("sleep="):
-            raise ValueError(f"{FAULT_ENV}: only sleep=<seconds> is supported; use LM_PIPELINE_FAULTPOINT")
-        time.sleep(float(action.split("=", 1)[1]))
-
-
 # --- building --------------------------------------------------------------------------------
 
 
@@ -404,7 +382,6 @@ class _Committer:
         self.root = root
         self.ledger = ledger
         self.arrays = arrays
-        self.ordinal = 0
         c = ledger["committed"]
         self.docs, self.tokens, self.bytes = c["docs"], c["tokens"], c["bytes"]
         self.staged: list[dict[str, Any]] = []
@@ -432,7 +409,7 @@ class _Committer:
 
     def commit(self) -> None:
         """Make the appended shards visible: one atomic ledger replacement."""
-        _fault("before_commit", self.ordinal)
+        faultpoint("token_cache.before_commit")  # shards appended to the arrays, ledger not yet replaced
         self.ledger["shards"].extend(self.staged)
         self.ledger["committed"] = {
             "shards": self.ledger["committed"]["shards"] + len(self.staged),
@@ -442,8 +419,7 @@ class _Committer:
         }
         self.staged = []
         self.root.write_atomic(LEDGER, _dumps(self.ledger))  # the commit point
-        _fault("after_commit", self.ordinal)
-        self.ordinal += 1
+        faultpoint("token_cache.after_commit")
 
 
 def _clear(root: _Root) -> None:

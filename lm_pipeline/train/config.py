@@ -67,6 +67,15 @@ def parse_mp(spec: str) -> Precision:
     return Precision(param, compute, parts.get("output", compute))
 
 
+def check_run_id(run_id: str, path: str = "trainer.id") -> str:
+    """``run_id`` if it is a plain name, else a :class:`ConfigError` at ``path``: the id names a
+    directory (``<base_path>/<id>``) and a log file (``<log_dir>/<id>.log``), so it must stay one."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", run_id) or ".." in run_id:
+        raise ConfigError(path, f"{run_id!r} is not a plain name; use letters, digits, '.', '_', '-' "
+                          "(no '/', no '..'), e.g. gpt2-small-run1")
+    return run_id
+
+
 @dataclass(frozen=True)
 class DistributedConfig:
     """Multi-host start-up through ``jax.distributed.initialize``."""
@@ -159,10 +168,8 @@ class TrainerConfig:
         return data
 
     def validate(self) -> None:
-        if self.id is not None and (not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.id) or ".." in self.id):
-            # the id names a directory (<base_path>/<id>) and a log file (<log_dir>/<id>.log)
-            raise ConfigError("id", f"{self.id!r} is not a plain name; use letters, digits, '.', '_', '-' "
-                              "(no '/', no '..'), e.g. gpt2-small-run1")
+        if self.id is not None:
+            check_run_id(self.id, "id")
         lengths = [n for n in ("num_train_steps", "num_epochs", "train_tokens") if getattr(self, n) is not None]
         if len(lengths) > 1:
             raise ConfigError(lengths[1], f"give only one of num_train_steps, num_epochs, train_tokens (got {', '.join(lengths)})")

@@ -272,7 +272,8 @@ def current_lr(opt_state: Any) -> jax.Array:
     return _find_state(opt_state).learning_rate
 
 
-def _all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every leaf of ``tree`` is finite (a bool scalar)."""
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
     return functools.reduce(jnp.logical_and, leaves, jnp.asarray(True))
 
@@ -483,7 +484,7 @@ class OptimizerConfig:
                 return scaled, state._replace(inner=new_inner, step=state.step + 1, learning_rate=lr)
 
             norm = optax.global_norm(updates).astype(jnp.float32)
-            finite = _all_finite(updates) & jnp.isfinite(norm)
+            finite = all_finite(updates) & jnp.isfinite(norm)
             if loss is not None:
                 finite = finite & jnp.all(jnp.isfinite(loss))
             ema, count = state.grad_norm_ema, state.ema_count

@@ -14,9 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -28,6 +26,7 @@ from lm_pipeline.faultpoints import faultpoint
 from lm_pipeline.fingerprint import fingerprint
 from lm_pipeline.schema import ConfigError, to_dict
 from lm_pipeline.train.checkpoint import Checkpointer, latest_checkpoint
+from lm_pipeline.train.optim import all_finite
 from lm_pipeline.train.sharding import initialize_distributed, make_mesh
 from lm_pipeline.train.trackers import build_tracker, setup_logging
 from lm_pipeline.train.trainer import (
@@ -235,10 +234,7 @@ def train(
     return result
 
 
-@eqx.filter_jit
-def _params_finite(params: Any) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+_params_finite = jax.jit(all_finite)
 
 
 class _FiniteStateCheckpointer(Checkpointer):
