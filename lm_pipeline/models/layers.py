@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from lm_pipeline.models.blocked_attention import ATTENTION_RESIDUALS, blocked_causal_attention
+
 F32 = jnp.float32
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -252,7 +254,9 @@ class Attention(eqx.Module):
             cv = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), position, axis=1)
             kv = (ck, cv)
             k, v = ck.astype(q.dtype), cv.astype(q.dtype)
-        o = attention(q, k, v, mask, scale=scale, upcast=upcast, dropout_rate=dropout_rate, key=key)
+        o = attention(
+            q, k, v, mask, scale=scale, upcast=upcast, dropout_rate=dropout_rate, key=key, causal=kv is None
+        )
         y = jnp.einsum("btnh,nhd->btd", o, self.o_proj)
         if self.o_bias is not None:
             y = y + self.o_bias
@@ -274,14 +278,20 @@ def attention(
     upcast: bool = False,
     dropout_rate: float = 0.0,
     key: jax.Array | None = None,
+    causal: bool = False,
 ) -> jax.Array:
     """Scaled dot-product attention. q [B, T, N, H], k/v [B, S, K, H] -> [B, T, N, H].
 
     mask: None for plain causal attention (T == S), else a boolean array broadcastable to
     [B, 1, T, S], True where a query may attend. Every query row should allow at least one key
-    (see :func:`segment_mask`). Uses ``jax.nn.dot_product_attention`` unless attention dropout
-    is active, in which case an explicit softmax path applies dropout to the probabilities.
-    ``upcast`` runs the whole computation in float32.
+    (see :func:`segment_mask`). ``causal`` says that the mask (if any) is itself causal
+    self-attention (T == S), as :func:`segment_mask` is.
+
+    Implementations, same values: with attention dropout, an explicit softmax path that drops
+    probabilities; causal self-attention on the CPU backend,
+    :func:`lm_pipeline.models.blocked_attention.blocked_causal_attention` (skips the masked
+    upper triangle, flash-style backward pass); otherwise ``jax.nn.dot_product_attention``
+    (fused kernels on GPUs). ``upcast`` runs the whole computation in float32.
     """
     dtype = q.dtype
     # XLA:CPU has no f16 x f16 -> f32 dot, which attention's logits need: compute it in f32 there.
@@ -289,6 +299,8 @@ def attention(
         q, k, v = q.astype(F32), k.astype(F32), v.astype(F32)
     if dropout_rate > 0.0 and key is not None:
         out = softmax_attention(q, k, v, mask, scale=scale, dropout_rate=dropout_rate, key=key)
+    elif (causal or mask is None) and q.shape[1] == k.shape[1] and jax.default_backend() == "cpu":
+        out = blocked_causal_attention(q, k, v, mask, scale)
     else:
         out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None, scale=scale)
     return out.astype(dtype)
@@ -383,6 +395,17 @@ def stack_blocks(make: Callable[[jax.Array], eqx.Module], num_layers: int, key: 
 _LAYER_REMAT_POLICY: contextvars.ContextVar[Callable[..., bool] | None] = contextvars.ContextVar(
     "layer_remat_policy", default=None
 )
+
+
+def matmuls_and_attention_saveable() -> Callable[..., bool]:
+    """Remat policy: keep every matmul output and the blocked attention's own residuals
+    (its output and log-sum-exp, :data:`~lm_pipeline.models.blocked_attention.ATTENTION_RESIDUALS`);
+    recompute the elementwise work between them. Without the names, the attention's forward
+    pass would run again in the backward pass (its output is a division, not a matmul)."""
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable,
+        jax.checkpoint_policies.save_only_these_names(*ATTENTION_RESIDUALS),
+    )
 
 
 @contextlib.contextmanager

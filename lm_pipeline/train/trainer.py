@@ -22,7 +22,7 @@ import optax
 
 from lm_pipeline.batch import LmBatch, SequenceDataset, StepBatchSource
 from lm_pipeline.models.base import LmModel
-from lm_pipeline.models.layers import layer_remat_policy
+from lm_pipeline.models.layers import layer_remat_policy, matmuls_and_attention_saveable
 from lm_pipeline.train.config import Precision, TrainerConfig
 from lm_pipeline.train.optim import OptimizerConfig, loss_scale, skipped_steps, weight_decay_mask
 from lm_pipeline.train.sharding import MeshPlan
@@ -245,7 +245,7 @@ def build_step_functions(
     def loss_sums(params, tokens, seg, key):
         params = jax.lax.with_sharding_constraint(cast_floating(params, precision.compute), compute_shardings)
         model = eqx.combine(params, model_static)
-        policy = jax.checkpoint_policies.dots_saveable if save_dots_only else None
+        policy = matmuls_and_attention_saveable() if save_dots_only else None
         with layer_remat_policy(policy):
             logits = model(tokens, seg, key=key, inference=not dropout_active)
         return next_token_loss_sums(logits, tokens, seg)
