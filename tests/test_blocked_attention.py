@@ -7,7 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm_pipeline.models.blocked_attention import ATTENTION_RESIDUALS, blocked_causal_attention, num_query_blocks
+from lm_pipeline.models.blocked_attention import (
+    ATTENTION_RESIDUALS,
+    blocked_causal_attention,
+    num_query_blocks,
+)
 from lm_pipeline.models.layers import attention, matmuls_and_attention_saveable, segment_mask
 
 

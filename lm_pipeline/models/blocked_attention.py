@@ -29,7 +29,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-
 from jax.ad_checkpoint import checkpoint_name
 
 F32 = jnp.float32
