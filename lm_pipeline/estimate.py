@@ -35,7 +35,8 @@ axis size divides evenly, exactly as :meth:`MeshPlan.param_shardings` decides.
   difference is one layer's saved tensors (without checkpointing: norms, q/k/v, MLP
   intermediates, and the ``[B, N, T, T]`` attention scores/probabilities whenever the
   attention implementation materialises them, as ``jax.nn.dot_product_attention``'s XLA path
-  (the default, the only one on CPU) and the dropout softmax path do; with checkpointing: the
+  and the dropout softmax path do; the CPU's blocked causal attention saves only its output
+  and per-row log-sum-exp, :mod:`lm_pipeline.models.blocked_attention`); with checkpointing: the
   block input ``[B, T, D]`` only); the rest (x 1) is what does not repeat per layer: the
   embeddings, final norm and the logits / cross-entropy residuals ``[B, T, V]``. The backward
   pass adds working buffers; two phases are modelled and the larger is the peak:
@@ -394,7 +395,7 @@ def saved_activations(
     """Shapes of the tensors ``jax.vjp`` of the trainer's loss saves for the backward pass
     (``batch`` sequences), excluding the (compute-dtype) parameters themselves. ``dots_only``:
     under the trainer's per-layer ``dots_saveable`` policy (f32 on CPU)."""
-    from lm_pipeline.models.layers import layer_remat_policy
+    from lm_pipeline.models.layers import layer_remat_policy, matmuls_and_attention_saveable
     from lm_pipeline.train.trainer import next_token_loss_sums
 
     abstract = _abstract_model(model_cfg, vocab_size)
@@ -414,7 +415,7 @@ def saved_activations(
 
         def loss(p):
             model = eqx.combine(p, static)
-            with layer_remat_policy(jax.checkpoint_policies.dots_saveable if dots_only else None):
+            with layer_remat_policy(matmuls_and_attention_saveable() if dots_only else None):
                 logits = model(tokens, seg, key=key, inference=not dropout_active)
             return next_token_loss_sums(logits, tokens, seg)[0]
 
