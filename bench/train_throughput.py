@@ -201,18 +201,22 @@ def bench_shape(shape_name: str, args) -> dict:
         r.run(1)  # JAX: trace + compile + one step; torch: first step
         first_step[name] = time.perf_counter() - t0
         runners[name] = r
-    # Warm-up (at least warmup_steps steps and warmup_s seconds each), then steps per window
-    # for about window_s seconds, from the warm-up's later half.
+    # Warm-up (at least warmup_s seconds and warmup_steps steps each; a variant whose steps are
+    # so slow that this would pass 10 windows' time stops after 2), then steps per window for
+    # about window_s seconds (at least one), from the warm-up's later half.
     for name, r in runners.items():
-        t_start, n = time.perf_counter(), 0
-        while n < args.warmup_steps or time.perf_counter() - t_start < args.warmup_s:
+        t_start, times = time.perf_counter(), []
+        while True:
+            elapsed = time.perf_counter() - t_start
+            enough_steps = len(times) >= args.warmup_steps or (len(times) >= 2 and elapsed > 10 * args.window_s)
+            if enough_steps and elapsed >= args.warmup_s:
+                break
+            t0 = time.perf_counter()
             r.run(1)
-            n += 1
-        t0 = time.perf_counter()
-        k = max(1, n // 2)
-        r.run(k)
-        per_step = (time.perf_counter() - t0) / k
-        steps[name] = max(2, round(args.window_s / per_step))
+            times.append(time.perf_counter() - t0)
+        later = sorted(times[len(times) // 2:])
+        per_step = later[len(later) // 2]
+        steps[name] = max(1, round(args.window_s / per_step))
     rates = {n: [] for n in VARIANTS}
     cpu = {n: [] for n in VARIANTS}
     others = []

@@ -181,9 +181,13 @@ def _dense_cpu_fwd(x, w):
 def _dense_cpu_bwd(res, g):
     x, w = res
     k = x.shape[-1]
+    n = g.shape[-1]
     dx = jnp.einsum("...n,kn->...k", g, w)
-    xt = jax.lax.optimization_barrier(x.reshape(-1, k).T)  # [K, M], materialised
-    dw = xt @ g.reshape(-1, g.shape[-1])
+    x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
+    if k <= n:  # transpose the smaller operand (XLA:CPU's transpose is a slow single-threaded loop)
+        dw = jax.lax.optimization_barrier(x2.T) @ g2  # [K, M] @ [M, N]
+    else:
+        dw = (jax.lax.optimization_barrier(g2.T) @ x2).T  # ([N, M] @ [M, K])^T
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
