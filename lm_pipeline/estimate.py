@@ -394,7 +394,8 @@ def saved_activations(
 ) -> tuple[jax.ShapeDtypeStruct, ...]:
     """Shapes of the tensors ``jax.vjp`` of the trainer's loss saves for the backward pass
     (``batch`` sequences), excluding the (compute-dtype) parameters themselves. ``dots_only``:
-    under the trainer's per-layer ``dots_saveable`` policy (f32 on CPU)."""
+    under the trainer's per-layer remat policy (f32 on CPU,
+    :func:`~lm_pipeline.models.layers.matmuls_and_attention_saveable`)."""
     from lm_pipeline.models.layers import layer_remat_policy, matmuls_and_attention_saveable
     from lm_pipeline.train.trainer import next_token_loss_sums
 

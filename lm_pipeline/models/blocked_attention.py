@@ -18,7 +18,7 @@ values with less work:
   probabilities with one ``exp`` and gets ``dS = P * (dP - rowsum(dO * O))`` in one pass.
 
 Values and gradients equal ``jax.nn.dot_product_attention``'s up to float rounding
-(``tests/test_models.py``). Used by :func:`lm_pipeline.models.layers.attention` for causal
+(``tests/test_blocked_attention.py``). Used by :func:`lm_pipeline.models.layers.attention` for causal
 self-attention without dropout on the CPU backend; accelerators keep
 ``jax.nn.dot_product_attention`` (cuDNN / fused kernels).
 """
@@ -59,8 +59,7 @@ def blocked_causal_attention(
     keep at least one key. Scores, softmax and accumulation run in float32; the output has
     q's dtype. ``scale`` may be a traced scalar (it gets no gradient).
     """
-    b, t, n, h = q.shape
-    kh = k.shape[2]
+    t, kh = q.shape[1], k.shape[2]
     if k.shape[1] != t:
         raise ValueError(f"blocked_causal_attention is self-attention: {t} queries, {k.shape[1]} keys")
     blocks = tuple(_bounds(t, num_query_blocks(t)))
@@ -126,7 +125,7 @@ def _attend(q, k, v, mask, scale, blocks, kh):
 
 def _attend_fwd(q, k, v, mask, scale, blocks, kh):
     o, lse = _forward(q, k, v, mask, scale, blocks, kh)
-    # Named so that a remat policy can keep them (layers.saves_matmuls_and_attention).
+    # Named so that a remat policy can keep them (layers.matmuls_and_attention_saveable).
     out = checkpoint_name(_merge_heads(o, q.dtype), ATTENTION_RESIDUALS[0])
     lse = checkpoint_name(lse, ATTENTION_RESIDUALS[1])
     return out, (q, k, v, mask, scale, out, lse)
@@ -135,6 +134,7 @@ def _attend_fwd(q, k, v, mask, scale, blocks, kh):
 def _attend_bwd(blocks, kh, res, g):
     q, k, v, mask, scale, out, lse = res
     qt, kt, vt = _split_heads(q, k, v, kh)
+    qt32, kt32, vt32 = qt.astype(F32), kt.astype(F32), vt.astype(F32)  # for the gradient matmuls
     dot_ = _q_layout(g, kh).astype(F32)  # dO
     ot = _q_layout(out, kh).astype(F32)
     delta = jnp.sum(dot_ * ot, axis=-1)  # [B, K, G, T]
@@ -147,10 +147,10 @@ def _attend_bwd(blocks, kh, res, g):
         p = jnp.exp(s - lse[:, :, :, r0:r1, None])  # [B, K, G, t, s]; 0 where masked
         dob = dot_[:, :, :, r0:r1]
         dv = dv.at[:, :, :r1].add(jnp.einsum("bkgts,bkgth->bksh", p, dob))
-        dp = jnp.einsum("bkgth,bksh->bkgts", dob, vt[:, :, :r1].astype(F32))
+        dp = jnp.einsum("bkgth,bksh->bkgts", dob, vt32[:, :, :r1])
         ds = p * (dp - delta[:, :, :, r0:r1, None]) * scale
-        dqs.append(jnp.einsum("bkgts,bksh->bkgth", ds, kt[:, :, :r1].astype(F32)))
-        dk = dk.at[:, :, :r1].add(jnp.einsum("bkgts,bkgth->bksh", ds, qb.astype(F32)))
+        dqs.append(jnp.einsum("bkgts,bksh->bkgth", ds, kt32[:, :, :r1]))
+        dk = dk.at[:, :, :r1].add(jnp.einsum("bkgts,bkgth->bksh", ds, qt32[:, :, :, r0:r1]))
     dq = _merge_heads(jnp.concatenate(dqs, axis=3), q.dtype)
     dk = dk.transpose(0, 2, 1, 3).astype(k.dtype)
     dv = dv.transpose(0, 2, 1, 3).astype(v.dtype)

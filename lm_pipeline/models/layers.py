@@ -162,14 +162,13 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
 
 @jax.custom_vjp
 def _dense_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w`` whose weight gradient ``xᵀ g`` reads an explicitly transposed ``x``.
+    """``x @ w`` whose weight gradient ``xᵀ g`` reads an explicitly transposed operand.
 
     Autodiff's ``dW = einsum("mk,mn->kn", x, g)`` contracts both operands over their leading
     axis; XLA:CPU gives that form to Eigen (88–133 GFLOP/s on this project's shapes, against
-    140–180 for the same matmul as ``[K, M] @ [M, N]``, which YNNPACK takes). Here ``x`` is
-    transposed into its own buffer first (an optimisation barrier keeps XLA from folding the
-    transpose back into the dot): an MLP's forward + backward measured 1.3x faster
-    (``docs/benchmarks.md``).
+    140–180 for the same matmul as ``[K, M] @ [M, N]``, which YNNPACK takes). :func:`_xt_g`
+    transposes an operand into its own buffer first: an MLP's forward + backward measured 1.3x
+    faster (``docs/benchmarks.md``).
     """
     return jnp.einsum("...k,kn->...n", x, w)
 
@@ -180,15 +179,25 @@ def _dense_cpu_fwd(x, w):
 
 def _dense_cpu_bwd(res, g):
     x, w = res
-    k = x.shape[-1]
-    n = g.shape[-1]
     dx = jnp.einsum("...n,kn->...k", g, w)
-    x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
-    if k <= n:  # transpose the smaller operand (XLA:CPU's transpose is a slow single-threaded loop)
-        dw = jax.lax.optimization_barrier(x2.T) @ g2  # [K, M] @ [M, N]
-    else:
-        dw = (jax.lax.optimization_barrier(g2.T) @ x2).T  # ([N, M] @ [M, K])^T
+    dw = _xt_g(x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]))
     return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+def _xt_g(x: jax.Array, g: jax.Array) -> jax.Array:
+    """The weight gradient ``x [M, K]ᵀ @ g [M, N] -> [K, N]``.
+
+    On the CPU backend the smaller of the two operands is transposed into its own buffer first
+    (an optimisation barrier keeps XLA from folding the transpose back into the dot), so the
+    product is a plain ``[K, M] @ [M, N]`` (or ``([N, M] @ [M, K])ᵀ``) that YNNPACK computes;
+    the smaller one because XLA:CPU's transpose is a slow single-threaded loop. Elsewhere the
+    einsum as autodiff writes it.
+    """
+    if jax.default_backend() != "cpu":
+        return jnp.einsum("mk,mn->kn", x, g)
+    if x.shape[1] <= g.shape[1]:
+        return jax.lax.optimization_barrier(x.T) @ g
+    return (jax.lax.optimization_barrier(g.T) @ x).T
 
 
 _dense_cpu.defvjp(_dense_cpu_fwd, _dense_cpu_bwd)
@@ -206,8 +215,8 @@ def lm_logits(x: jax.Array, w: jax.Array) -> jax.Array:
     writes a transposed copy of ``g``, the largest array of a small model's step, before the dot.
     ``dW = (x^T g)^T`` reads ``g`` as it lies and transposes only the ``[D, V]`` result
     (``bench/train_throughput.py``: about 1.1x on a 4-layer, width-128, 8k-vocab GPT-2 step).
-    On the CPU backend ``x^T`` is also materialised first, as in :func:`_dense_cpu`, so that
-    YNNPACK rather than Eigen computes that product (1.05x on the 6-layer, width-384 step).
+    That product goes through :func:`_xt_g`, which on the CPU backend materialises ``x^T`` so
+    that YNNPACK rather than Eigen computes it (1.05x on the 6-layer, width-384 step).
     """
     return jnp.einsum("btd,vd->btv", x, w)
 
@@ -219,13 +228,8 @@ def _lm_logits_fwd(x, w):
 def _lm_logits_bwd(res, g):
     x, w = res
     dx = jnp.einsum("btv,vd->btd", g, w)
-    if jax.default_backend() == "cpu":  # as in _dense_cpu: x transposed into its own buffer (1.05x, medium)
-        d = x.shape[-1]
-        dw = (jax.lax.optimization_barrier(x.reshape(-1, d).T) @ g.reshape(-1, g.shape[-1])).T
-    else:
-        dw = jnp.einsum("btd,btv->dv", x, g).T
+    dw = _xt_g(x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])).T
     return dx.astype(x.dtype), dw.astype(w.dtype)
-
 
 
 lm_logits.defvjp(_lm_logits_fwd, _lm_logits_bwd)
@@ -470,10 +474,11 @@ _LAYER_REMAT_POLICY: contextvars.ContextVar[Callable[..., bool] | None] = contex
 
 
 def matmuls_and_attention_saveable() -> Callable[..., bool]:
-    """Remat policy: keep every matmul output and the blocked attention's own residuals
-    (its output and log-sum-exp, :data:`~lm_pipeline.models.blocked_attention.ATTENTION_RESIDUALS`);
-    recompute the elementwise work between them. Without the names, the attention's forward
-    pass would run again in the backward pass (its output is a division, not a matmul)."""
+    """Remat policy: keep every matmul output, the CPU projections' outputs (:data:`DENSE_OUT`:
+    a custom VJP, not a ``dot_general``) and the blocked attention's own residuals (its output
+    and log-sum-exp, :data:`~lm_pipeline.models.blocked_attention.ATTENTION_RESIDUALS`);
+    recompute the elementwise work between them. Without the names, those forward matmuls
+    would run again in the backward pass."""
     return jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_saveable,
         jax.checkpoint_policies.save_only_these_names(*ATTENTION_RESIDUALS, DENSE_OUT),

@@ -130,8 +130,8 @@ def saves_only_dots(model_cfg, compute_dtype, platform: str) -> bool:
     On the CPU backend in f32, without the model's own gradient checkpointing: each layer of the
     model's layer scan is wrapped in ``jax.checkpoint`` with policy
     :func:`~lm_pipeline.models.layers.matmuls_and_attention_saveable` (``dots_saveable`` plus the
-    blocked attention's output and log-sum-exp; :func:`lm_pipeline.models.layers.layer_remat_policy`),
-    so the elementwise work between
+    named outputs of the CPU projections and of the blocked attention;
+    :func:`lm_pipeline.models.layers.layer_remat_policy`), so the elementwise work between
     matmuls (norms, GELU, softmax, masks) is recomputed in the backward pass instead of being
     saved per layer (same results). Otherwise XLA:CPU zero-fills a stacked buffer per
     saved residual and copies it before the layer scan writes it: the step moves about 2x less
