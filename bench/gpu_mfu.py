@@ -19,16 +19,22 @@ Shapes::
     gpt2_124m:  GPT-2, 12 layers, 12 heads, width 768, seq 1024, vocab 50257, batch 32
     llama_350m: Llama, 24 layers, 16 heads, width 1024, MLP 2816, seq 2048, vocab 32000, batch 16
 
-    python bench/gpu_mfu.py [--shapes gpt2_124m,llama_350m] [--steps 20] [--smoke]
+    python bench/gpu_mfu.py [--shapes gpt2_124m,llama_350m] [--steps 20] [--attention auto,xla] [--smoke]
+
+``--attention`` runs each shape once per attention implementation (``auto``: cuDNN's fused
+flash attention where it applies; ``xla``: XLA's own attention), in this one process, so the
+two can be compared on the same card.
 
 ``--smoke`` runs tiny versions of both shapes (on any backend, CPU included) to check the
 script itself; its numbers mean nothing. The last line is ``RESULT {json}`` with ``ratio`` =
-the smallest MFU (achieved / measured matmul peak) over the shapes.
+the smallest MFU (achieved / measured matmul peak) over the shapes, taking for each shape its
+first attention implementation listed (``auto`` by default).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -57,25 +63,63 @@ SMOKE = {  # same families, tiny: checks the script on any backend
 }
 
 
-def matmul_peak(n: int, reps: int = 10) -> float:
-    """Median FLOP/s of an ``n x n @ n x n`` bf16 matmul with f32 accumulation on device 0."""
+def matmul_peak(n: int, seconds: float = 2.0) -> dict[str, float]:
+    """FLOP/s of ``n x n @ n x n`` bf16 matmuls on device 0, random inputs, by each library here.
+
+    ``jax``: bf16 output (f32 accumulation inside the kernel); ``jax_f32_out``: f32 output cast
+    back to bf16; ``torch``: ``torch.matmul`` on the same card when PyTorch with CUDA is
+    installed. Each warms the card for about ``seconds`` first (clocks ramp up from idle), then
+    times batches of back-to-back products with one synchronisation per batch, so launches and
+    host round trips don't count against the card; the median over batches. The ceiling for
+    MFU is the fastest of them."""
     import jax
     import jax.numpy as jnp
 
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
-    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
-    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    f(a, b).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(a, b).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times)
+    def timed(run, sync) -> float:
+        reps, t_end = 10, time.perf_counter() + seconds
+        while time.perf_counter() < t_end:
+            sync(run(reps))
+        rates = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            sync(run(reps))
+            rates.append(2 * n**3 * reps / (time.perf_counter() - t0))
+        return statistics.median(rates)
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    xs = [jax.random.normal(k, (n, n), jnp.bfloat16) for k in keys]
+    out = {}
+    for label, f in {
+        "jax": jax.jit(lambda x, y: x @ y),
+        "jax_f32_out": jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(jnp.bfloat16)),
+    }.items():
+        out[label] = timed(lambda r, f=f: [f(xs[i % 4], xs[(i + 1) % 4]) for i in range(r)], jax.block_until_ready)
+    try:
+        import torch
+    except ImportError:
+        return out
+    if torch.cuda.is_available() and jax.devices()[0].platform == "gpu":
+        ts = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        out["torch"] = timed(lambda r: [ts[i % 4] @ ts[(i + 1) % 4] for i in range(r)], lambda _: torch.cuda.synchronize())
+        del ts
+        torch.cuda.empty_cache()
+    return out
 
 
-def bench_shape(name: str, overrides: dict, steps: int, warmup: int) -> dict:
+def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
+    """``"attention=xla+unroll=0"`` -> (label, settings); ``"default"`` -> the library's defaults."""
+    if spec == "default":
+        return spec, {}
+    settings = {}
+    for item in spec.split("+"):
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("attention", "vocab_pad", "unroll"):
+            raise SystemExit(f"--variants: {item!r} is not attention=..., vocab_pad=N or unroll=N")
+        settings[key] = value
+    return spec, settings
+
+
+def bench_shape(name: str, overrides: dict, steps: int, warmup: int, profile_dir: str | None = None) -> dict:
     import jax
     import numpy as np
 
@@ -100,6 +144,10 @@ def bench_shape(name: str, overrides: dict, steps: int, warmup: int) -> dict:
     b, t = cfg.trainer.train_batch_size, cfg.model.seq_len
     batches = [put_batch(LmBatch(rng.integers(0, vocab, (b, t), dtype=np.int32)), plan) for _ in range(2)]
     t0 = time.perf_counter()
+    with jax.set_mesh(plan.mesh):
+        mem = fns.train_step.lower(fns.abstract_state, *batches[0]).compile().memory_analysis()
+    xla_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                 + mem.temp_size_in_bytes) if mem is not None else None
     state, m = fns.train_step(state, *batches[0])
     jax.block_until_ready(state)
     compile_s = time.perf_counter() - t0
@@ -113,6 +161,12 @@ def bench_shape(name: str, overrides: dict, steps: int, warmup: int) -> dict:
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
+    if profile_dir:
+        jax.profiler.start_trace(profile_dir)
+        for i in range(3):
+            state, m = fns.train_step(state, *batches[i % 2])
+        jax.block_until_ready(state)
+        jax.profiler.stop_trace()
     tokens = b * t
     fpt = float(cfg.model.flops_per_token(vocab))
     stats = jax.devices()[0].memory_stats() or {}
@@ -122,7 +176,7 @@ def bench_shape(name: str, overrides: dict, steps: int, warmup: int) -> dict:
         "step_s": step_s, "step_s_min": min(times), "tokens_per_s": tokens / step_s,
         "flops_per_token": fpt, "achieved_flops": fpt * tokens / step_s, "compile_s": compile_s,
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "bytes_limit": stats.get("bytes_limit"),
-        "estimated_bytes": est.total, "loss": float(m["train/loss"]),
+        "xla_bytes": xla_bytes, "estimated_bytes": est.total, "loss": float(m["train/loss"]),
     }
 
 
@@ -132,40 +186,60 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps per shape")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--matmul", type=int, default=8192, help="side of the square matmul that measures the peak")
+    p.add_argument("--variants", default="default", help=(
+        "comma-separated variants to compare, each 'default' or '+'-joined settings among "
+        "attention=auto|xla|cudnn, vocab_pad=N (1 = none), unroll=N (largest unrolled layer stack; 0 = scan)"))
+    p.add_argument("--profile", default=None, help="write a jax.profiler trace of 3 steps per run under this folder")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, any backend: checks the script only")
     args = p.parse_args(argv)
     import jax
 
+    from lm_pipeline.models import layers
+    from lm_pipeline.models.layers import attention_implementation
     from lm_pipeline.train.trainer import device_peak_flops
 
     device = jax.devices()[0]
     if args.smoke:
         args.steps, args.warmup, args.matmul = min(args.steps, 3), 1, 256
-    peak = matmul_peak(args.matmul)
+    peaks = matmul_peak(args.matmul)
+    peak = max(peaks.values())
     vendor = device_peak_flops()
-    print(f"device: {device.device_kind} ({device.platform}); measured bf16 matmul peak {peak / 1e12:.1f} TFLOP/s"
+    print(f"device: {device.device_kind} ({device.platform}); bf16 {args.matmul}^3 matmul: "
+          + ", ".join(f"{k} {v / 1e12:.1f}" for k, v in peaks.items())
+          + f" TFLOP/s; ceiling (the fastest) {peak / 1e12:.1f} TFLOP/s"
           + (f"; vendor dense bf16 peak {vendor / 1e12:.0f} TFLOP/s" if vendor else ""))
     results = []
-    for name in [s.strip() for s in args.shapes.split(",") if s.strip()]:
+    variants = [parse_variant(v.strip()) for v in args.variants.split(",") if v.strip()]
+    names = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    for name in names:
         if name not in SHAPES:
             p.error(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
+    defaults = {"vocab_pad": layers.VOCAB_PAD_MULTIPLE, "unroll": layers.ACCELERATOR_UNROLL_MAX_LAYERS}
+    for name, (label, v) in itertools.product(names, variants):
         overrides = {**SHAPES[name], **(SMOKE[name] if args.smoke else {})}
-        r = bench_shape(name, overrides, args.steps, args.warmup)
+        layers.VOCAB_PAD_MULTIPLE = int(v.get("vocab_pad", defaults["vocab_pad"]))
+        layers.ACCELERATOR_UNROLL_MAX_LAYERS = int(v.get("unroll", defaults["unroll"]))
+        trace = f"{args.profile}/{name}_{label}" if args.profile else None
+        with attention_implementation(v.get("attention", "auto")):
+            r = bench_shape(name, overrides, args.steps, args.warmup, trace)
+        r["variant"] = label
         r["mfu"] = r["achieved_flops"] / peak
         r["mfu_vendor"] = r["achieved_flops"] / vendor if vendor else None
         results.append(r)
         mem = r["peak_bytes_in_use"]
-        print(f"{name:<11} batch {r['batch']} x {r['seq_len']} (micro {r['micro_batch']}/device)  "
+        print(f"{name:<11} {label:<12} batch {r['batch']} x {r['seq_len']} (micro {r['micro_batch']}/device)  "
               f"step {r['step_s'] * 1e3:8.1f} ms  {r['tokens_per_s']:>10,.0f} tok/s  "
               f"{r['achieved_flops'] / 1e12:6.1f} TFLOP/s  MFU {100 * r['mfu']:5.1f}%"
               + (f" ({100 * r['mfu_vendor']:.1f}% of vendor peak)" if r["mfu_vendor"] else "")
-              + (f"  memory {mem / 2**30:.1f} GiB (estimate {r['estimated_bytes'] / 2**30:.1f})" if mem else "")
+              + (f"  memory peak {mem / 2**30:.1f} GiB" if mem else "")
+              + (f", XLA's plan {r['xla_bytes'] / 2**30:.1f} GiB" if r["xla_bytes"] else "")
+              + f", estimate {r['estimated_bytes'] / 2**30:.1f} GiB"
               + f"  compile {r['compile_s']:.1f} s", flush=True)
     print("RESULT " + json.dumps({
-        "ratio": round(min(r["mfu"] for r in results), 4),
+        "ratio": round(min(r["mfu"] for r in results if r["variant"] == variants[0][0]), 4),
         "device": device.device_kind, "platform": device.platform, "smoke": args.smoke,
-        "matmul_peak_flops": peak, "vendor_peak_flops": vendor,
-        **{f"{r['shape']}_mfu": round(r["mfu"], 4) for r in results},
+        "jax": jax.__version__, "matmul_peak_flops": peak, "matmul_flops": peaks, "vendor_peak_flops": vendor,
+        **{f"{r['shape']}_{r['variant']}_mfu": round(r["mfu"], 4) for r in results},
         "shapes": results,
     }, default=float))
 

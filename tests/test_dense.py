@@ -1,4 +1,6 @@
-"""The projections' CPU matmul (explicitly transposed weight gradient) against plain autodiff."""
+"""The projections' CPU matmul (explicitly transposed weight gradient), the LM head (with its
+accelerator vocabulary padding) and the per-backend choices of attention kernel and layer
+unrolling, against plain autodiff and the rules they document."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lm_pipeline.models import layers
 from lm_pipeline.models.layers import DENSE_OUT, dense, lm_logits, matmuls_and_attention_saveable
 
 
@@ -33,12 +36,59 @@ def test_dense_values_and_gradients_equal_the_einsum(dtype):
         np.testing.assert_allclose(a, b, atol=tol * np.abs(b).max(), rtol=0)
 
 
-def test_lm_head_gradient_equals_autodiff():
+@pytest.mark.parametrize("pad", [0, 14], ids=["unpadded", "vocab_padded"])
+def test_lm_head_values_and_gradients_equal_autodiff(pad):
+    """``pad`` zero rows (the accelerators' vocabulary padding: 50 -> 64 here) change nothing:
+    same logits shape and values, same gradients, the weight gradient in its unpadded shape."""
     x, w, c = _arrays((2, 8, 16), (50, 16), (2, 8, 50))
-    got = jax.grad(lambda x, w: jnp.sum(lm_logits(x, w) * c), argnums=(0, 1))(x, w)
+
+    def f(x, w):
+        return layers._padded_lm_logits(x, w, pad)
+
+    np.testing.assert_allclose(f(x, w), jnp.einsum("btd,vd->btv", x, w), rtol=1e-5, atol=1e-5)
+    got = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) * c), argnums=(0, 1)))(x, w)
     ref = jax.grad(lambda x, w: jnp.sum(jnp.einsum("btd,vd->btv", x, w) * c), argnums=(0, 1))(x, w)
+    assert got[1].shape == w.shape
     for a, b in zip(got, ref, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))), rtol=0)
+    if pad == 0:  # the public entry point is the unpadded product on this (CPU) backend
+        np.testing.assert_array_equal(lm_logits(x, w), f(x, w))
+
+
+def test_attention_kernel_choice_per_backend_and_dtype():
+    """cuDNN's flash attention only on a GPU, in bf16/f16, with a head size it covers; the
+    context and ``$LM_PIPELINE_ATTENTION`` override ``auto``; a bad name is refused."""
+    bf16 = jnp.zeros((2, 128, 4, 64), jnp.bfloat16)
+    assert layers._use_cudnn(bf16, bf16, "gpu")
+    assert not layers._use_cudnn(bf16, bf16, "cpu")
+    assert not layers._use_cudnn(bf16.astype(jnp.float32), bf16, "gpu")
+    odd_head = jnp.zeros((2, 128, 4, 60), jnp.bfloat16)
+    assert not layers._use_cudnn(odd_head, odd_head, "gpu")
+    with layers.attention_implementation("xla"):
+        assert not layers._use_cudnn(bf16, bf16, "gpu")
+    with layers.attention_implementation("cudnn"):
+        assert layers._use_cudnn(odd_head, odd_head, "gpu")
+    with pytest.raises(ValueError, match="auto"):
+        with layers.attention_implementation("flash"):
+            pass
+
+
+def test_attention_env_override(monkeypatch):
+    bf16 = jnp.zeros((2, 128, 4, 64), jnp.bfloat16)
+    monkeypatch.setenv(layers.ATTENTION_ENV, "xla")
+    assert not layers._use_cudnn(bf16, bf16, "gpu")
+    monkeypatch.setenv(layers.ATTENTION_ENV, "bogus")
+    with pytest.raises(ValueError, match=layers.ATTENTION_ENV):
+        layers._use_cudnn(bf16, bf16, "gpu")
+
+
+def test_layer_stack_unrolling_rule():
+    """CPU: only short low-precision stacks; accelerators: any stack up to the limit."""
+    assert layers._unroll_plain_stack("cpu", jnp.bfloat16, 4)
+    assert not layers._unroll_plain_stack("cpu", jnp.float32, 4)
+    assert not layers._unroll_plain_stack("cpu", jnp.bfloat16, layers.UNROLL_MAX_LAYERS + 1)
+    assert layers._unroll_plain_stack("gpu", jnp.float32, 24)
+    assert not layers._unroll_plain_stack("gpu", jnp.bfloat16, layers.ACCELERATOR_UNROLL_MAX_LAYERS + 1)
 
 
 def test_remat_policy_saves_dense_outputs(capsys):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
+import os
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, ClassVar
@@ -33,6 +35,7 @@ from lm_pipeline.models.blocked_attention import (
 )
 
 F32 = jnp.float32
+_log = logging.getLogger(__name__)
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu": partial(jax.nn.gelu, approximate=False),  # HF "gelu": exact erf form
@@ -206,7 +209,11 @@ _dense_cpu.defvjp(_dense_cpu_fwd, _dense_cpu_bwd)
 # ----------------------------------------------------------------------------- LM head
 
 
-@jax.custom_vjp
+VOCAB_PAD_MULTIPLE = 128
+"""On accelerators the LM head computes with its vocabulary padded to a multiple of this (zero
+rows, logits sliced back): cuBLAS picks slow kernels for odd widths such as GPT-2's 50257."""
+
+
 def lm_logits(x: jax.Array, w: jax.Array) -> jax.Array:
     """Logits ``x [B, T, D] @ w[V, D]^T -> [B, T, V]`` (``einsum("btd,vd->btv")``).
 
@@ -217,12 +224,29 @@ def lm_logits(x: jax.Array, w: jax.Array) -> jax.Array:
     (``bench/train_throughput.py``: about 1.1x on a 4-layer, width-128, 8k-vocab GPT-2 step).
     That product goes through :func:`_xt_g`, which on the CPU backend materialises ``x^T`` so
     that YNNPACK rather than Eigen computes it (1.05x on the 6-layer, width-384 step).
+
+    Off the CPU, a vocabulary that is not a multiple of :data:`VOCAB_PAD_MULTIPLE` is padded
+    with zero rows for the product and the logits sliced back (XLA fuses both into their
+    neighbours); same values.
     """
+    on_cpu = jax.default_backend() == "cpu"
+    return _padded_lm_logits(x, w, 0 if on_cpu or VOCAB_PAD_MULTIPLE <= 1 else -w.shape[0] % VOCAB_PAD_MULTIPLE)
+
+
+def _padded_lm_logits(x: jax.Array, w: jax.Array, pad: int) -> jax.Array:
+    """:func:`lm_logits` computed with ``pad`` zero rows appended to ``w`` (sliced off again)."""
+    if pad == 0:
+        return _lm_logits(x, w)
+    return _lm_logits(x, jnp.pad(w, ((0, pad), (0, 0))))[..., : w.shape[0]]
+
+
+@jax.custom_vjp
+def _lm_logits(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("btd,vd->btv", x, w)
 
 
 def _lm_logits_fwd(x, w):
-    return lm_logits(x, w), (x, w)
+    return _lm_logits(x, w), (x, w)
 
 
 def _lm_logits_bwd(res, g):
@@ -232,7 +256,7 @@ def _lm_logits_bwd(res, g):
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-lm_logits.defvjp(_lm_logits_fwd, _lm_logits_bwd)
+_lm_logits.defvjp(_lm_logits_fwd, _lm_logits_bwd)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -357,8 +381,10 @@ def attention(
     Implementations, same values: with attention dropout, an explicit softmax path that drops
     probabilities; causal self-attention on the CPU backend,
     :func:`lm_pipeline.models.blocked_attention.blocked_causal_attention` (skips the masked
-    upper triangle, flash-style backward pass); otherwise ``jax.nn.dot_product_attention``
-    (fused kernels on GPUs). ``upcast`` runs the whole computation in float32.
+    upper triangle, flash-style backward pass); plain causal self-attention on a GPU in
+    bf16/f16, cuDNN's fused flash attention (see :func:`attention_implementation`); otherwise
+    ``jax.nn.dot_product_attention``'s XLA path. ``upcast`` runs the whole computation in
+    float32.
     """
     dtype = q.dtype
     # XLA:CPU has no f16 x f16 -> f32 dot, which attention's logits need: compute it in f32 there.
@@ -368,9 +394,67 @@ def attention(
         out = softmax_attention(q, k, v, mask, scale=scale, dropout_rate=dropout_rate, key=key)
     elif _use_blocked(q, k, mask, causal):
         out = blocked_causal_attention(q, k, v, mask, scale)
+    elif mask is None and _use_cudnn(q, k, jax.default_backend()):
+        out = _cudnn_causal_attention(q, k, v, scale)
     else:
         out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None, scale=scale)
     return out.astype(dtype)
+
+
+ATTENTION_ENV = "LM_PIPELINE_ATTENTION"
+_ATTENTION_CHOICES = ("auto", "xla", "cudnn")
+_attention_choice: contextvars.ContextVar[str | None] = contextvars.ContextVar("attention_choice", default=None)
+
+
+@contextlib.contextmanager
+def attention_implementation(choice: str) -> Iterator[None]:
+    """While tracing inside this context, plain causal attention on a GPU uses ``choice``:
+    ``auto`` (the default: cuDNN's fused flash attention where it applies, else XLA), ``xla``
+    (``jax.nn.dot_product_attention``'s XLA path) or ``cudnn`` (cuDNN, failing loudly where it
+    does not apply). Same values either way; only speed and memory differ. Without a context,
+    ``$LM_PIPELINE_ATTENTION`` gives the choice (``auto`` when unset)."""
+    if choice not in _ATTENTION_CHOICES:
+        raise ValueError(f"attention implementation must be one of {_ATTENTION_CHOICES}, got {choice!r}")
+    token = _attention_choice.set(choice)
+    try:
+        yield
+    finally:
+        _attention_choice.reset(token)
+
+
+def _attention_choice_now() -> str:
+    choice = _attention_choice.get()
+    if choice is None:
+        choice = os.environ.get(ATTENTION_ENV, "").strip().lower() or "auto"
+        if choice not in _ATTENTION_CHOICES:
+            raise ValueError(f"${ATTENTION_ENV} must be one of {_ATTENTION_CHOICES}, got {choice!r}")
+    return choice
+
+
+def _use_cudnn(q: jax.Array, k: jax.Array, backend: str) -> bool:
+    """cuDNN's flash attention takes causal self-attention on a GPU in bf16/f16 with a head size
+    that is a multiple of 8 up to 128 (what cuDNN 9's fused kernels cover on Ampere and Hopper)."""
+    choice = _attention_choice_now()
+    if choice == "xla" or backend != "gpu":
+        return False
+    if choice == "cudnn":
+        return True
+    head = q.shape[-1]
+    return (
+        q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[1] == k.shape[1]
+        and head % 8 == 0 and head <= 128
+    )
+
+
+def _cudnn_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | jax.Array) -> jax.Array:
+    """Causal attention through cuDNN; under ``auto``, XLA's path where this JAX/cuDNN refuses."""
+    try:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="cudnn")
+    except (NotImplementedError, RuntimeError, ValueError) as err:
+        if _attention_choice_now() == "cudnn":
+            raise
+        _log.warning("cuDNN attention unavailable (%s); using XLA's attention", err)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 def _use_blocked(q: jax.Array, k: jax.Array, mask: jax.Array | None, causal: bool) -> bool:
@@ -524,7 +608,9 @@ def scan_blocks(
     ``bench/train_throughput.py``, see ``docs/benchmarks.md``). In f32 unrolling measured no
     better than the scan (the trainer saves only matmul outputs there instead, through
     :func:`layer_remat_policy`, which takes precedence over unrolling).
-    Other backends keep the plain scan.
+    On other backends (GPU, TPU), stacks of at most :data:`ACCELERATOR_UNROLL_MAX_LAYERS`
+    layers are unrolled when not checkpointed; with checkpointing the scan stays (an unrolled
+    stack would let XLA merge the recomputation into the forward pass).
     """
     params, static = eqx.partition(blocks, eqx.is_array)
     leaves = jax.tree.leaves(params)
@@ -540,12 +626,24 @@ def scan_blocks(
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
     elif policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    elif jax.default_backend() == "cpu" and x.dtype != jnp.float32 and num_layers <= UNROLL_MAX_LAYERS:
-        unroll = True
+    else:
+        unroll = _unroll_plain_stack(jax.default_backend(), x.dtype, num_layers)
     return jax.lax.scan(body, x, (params, xs), unroll=unroll)
 
 
+def _unroll_plain_stack(backend: str, dtype: Any, num_layers: int) -> bool:
+    """Whether :func:`scan_blocks` unrolls a stack that is neither checkpointed nor under a policy."""
+    if backend == "cpu":
+        return dtype != jnp.float32 and num_layers <= UNROLL_MAX_LAYERS
+    return num_layers <= ACCELERATOR_UNROLL_MAX_LAYERS
+
+
 UNROLL_MAX_LAYERS = 8
+ACCELERATOR_UNROLL_MAX_LAYERS = 48
+"""Without checkpointing, a GPU/TPU stack of at most this many layers is unrolled: a scan
+slices each layer's parameters out of the stacked arrays and writes each saved activation and
+each gradient into stacked buffers, copies that took 20% of a GPT-2 124M step and 30% of a
+350M Llama step on an H100 (``bench/gpu_mfu.py``, ``docs/benchmarks.md``)."""
 
 
 # ----------------------------------------------------------------------------- parameter trees
