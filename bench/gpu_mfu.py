@@ -119,7 +119,8 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
     return spec, settings
 
 
-def bench_shape(name: str, overrides: dict, steps: int, warmup: int, profile_dir: str | None = None) -> dict:
+def bench_shape(name: str, overrides: dict, steps: int, warmup: int, profile_dir: str | None = None,
+                per_device: str = "auto") -> dict:
     import jax
     import numpy as np
 
@@ -131,7 +132,7 @@ def bench_shape(name: str, overrides: dict, steps: int, warmup: int, profile_dir
 
     vocab = overrides.pop("vocab")
     cfg = load_config(None, {
-        **overrides, "trainer.mp": "p=f32,c=bfloat16", "trainer.per_device_parallelism": "auto",
+        **overrides, "trainer.mp": "p=f32,c=bfloat16", "trainer.per_device_parallelism": per_device if per_device == "auto" else int(per_device),
         "model.gradient_checkpointing": False, "optimizer.lr_schedule": "constant", "optimizer.warmup": 0,
         "optimizer.weight_decay": 0.1,
     })
@@ -189,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variants", default="default", help=(
         "comma-separated variants to compare, each 'default' or '+'-joined settings among "
         "attention=auto|xla|cudnn, vocab_pad=N (1 = none), unroll=N (largest unrolled layer stack; 0 = scan)"))
+    p.add_argument("--per_device_parallelism", default="auto",
+                   help="micro-batch per device: auto (the estimator picks against the device's memory) or N (-1: the whole batch)")
     p.add_argument("--profile", default=None, help="write a jax.profiler trace of 3 steps per run under this folder")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, any backend: checks the script only")
     args = p.parse_args(argv)
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         layers.ACCELERATOR_UNROLL_MAX_LAYERS = int(v.get("unroll", defaults["unroll"]))
         trace = f"{args.profile}/{name}_{label}" if args.profile else None
         with attention_implementation(v.get("attention", "auto")):
-            r = bench_shape(name, overrides, args.steps, args.warmup, trace)
+            r = bench_shape(name, overrides, args.steps, args.warmup, trace, args.per_device_parallelism)
         r["variant"] = label
         r["mfu"] = r["achieved_flops"] / peak
         r["mfu_vendor"] = r["achieved_flops"] / vendor if vendor else None

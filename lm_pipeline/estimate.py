@@ -72,8 +72,8 @@ tensors count 4 bytes, except the LM head's output, and except (attention's asid
 a stack ``scan_blocks`` unrolls (low precision, no checkpointing, at most
 ``layers.UNROLL_MAX_LAYERS`` layers) and of the one layer a checkpointed backward recomputes,
 which XLA keeps in bf16. Counting every bf16 tensor at 2 bytes came out up to 40% low,
-counting all at 4 up to 30% high. On GPU/TPU saved tensors count in their traced dtype, which
-is *not* calibrated (no accelerator was available).
+counting all at 4 up to 30% high. On GPU/TPU saved tensors count in their traced dtype (see
+the accelerator calibration below).
 
 Calibration (total MiB, XLA -> estimate, ratio), D/T/B/V/L/N[/K] = width, seq, micro-batch,
 vocab, layers, heads [/ kv heads], M = MLP width; f32 and ``p=f32,c=bf16``::
@@ -108,6 +108,35 @@ vocab, layers, heads [/ kv heads], M = MLP width; f32 and ``p=f32,c=bf16``::
 All 88 within 20% (0.84-1.11). Also checked: gradient accumulation
 (micro-batch 2 of 8 sequences: 1.10 and 1.03), pure data parallelism on 8 host devices (1.00),
 tensor parallelism over 2 (1.00), GPT-2 with all dropouts at 0.1 (0.90 and 1.01).
+
+Accelerators (``platform`` other than ``"cpu"``). On a GPU, layer stacks without checkpointing
+are unrolled (:func:`~lm_pipeline.models.layers.scan_blocks`), which changes what XLA keeps:
+
+* each layer's weights are cast to the compute dtype just before use, so no whole
+  compute-dtype copy is counted (on one device; the FSDP-gathered copy still is);
+* the update is fused with its inputs: no separate update buffer;
+* the logits' cotangent is computed fused into its compute-dtype cast: one ``[B, T, V]``
+  buffer of the compute dtype, the peak phase;
+* without checkpointing, XLA keeps ``ACCELERATOR_SAVED_FACTOR = 0.47`` of the layers' traced
+  residuals (its fusions recompute cheap elementwise results in the backward pass).
+
+Calibrated with ``python bench/estimate_check.py --grid gpu`` (compile-only, XLA's plan of the
+real step) on an NVIDIA H100 80GB (JAX 0.11.2, cuDNN attention, ``p=f32,c=bfloat16``), GiB::
+
+    model D/T/B/V/L                  no remat                remat
+    gpt2  768/1024/32/50257/12       19.12 -> 18.52  0.97    8.42 -> 8.95  1.06
+    gpt2  768/1024/8/50257/12         6.00 ->  6.07  1.01    3.32 -> 3.68  1.11
+    llama 1024/2048/8/32000/24       19.11 -> 19.52  1.02    7.58 -> 8.46  1.12
+    llama 1024/2048/4/32000/24       11.93 -> 12.59  1.06    6.26 -> 7.02  1.12
+    gpt2  512/512/16/16384/6          1.81 ->  1.80  0.99    0.93 -> 1.01  1.09
+    llama 512/1024/8/16384/8          1.98 ->  2.09  1.05    1.09 -> 1.21  1.11
+
+(Before this model, counting the traced residuals as on the CPU, the same rows came out
+1.31-1.82x high and ``per_device_parallelism: auto`` halved the 350M Llama's micro-batch.)
+The device's measured peak (``memory_stats()["peak_bytes_in_use"]`` after real steps,
+``bench/gpu_mfu.py``) equalled XLA's plan: GPT-2 124M at 32 x 1024, 19.1 GiB (estimate
+18.5); Llama 350M at 16 x 2048, 33.3 GiB (estimate 33.4). Not calibrated: multi-GPU FSDP and
+stacks deeper than ``layers.ACCELERATOR_UNROLL_MAX_LAYERS`` (scanned).
 
 FSDP caveat: on this JAX/XLA the trainer's default FSDP (``fsdp_axis: embed``) does not keep
 activations batch-sharded: with no sharding constraint on activations, XLA's propagation
@@ -153,6 +182,11 @@ a multiple of that layer's saved [.., T, T] attention tensors."""
 
 CPU_ACTIVATION_BYTES = 4
 """Bytes per element of sub-f32 saved tensors on XLA:CPU (see the module docstring)."""
+
+ACCELERATOR_SAVED_FACTOR = 0.47
+"""On GPU/TPU, the share of the layers' traced saved tensors (without checkpointing) that XLA
+keeps: its fusions recompute cheap elementwise results in the backward pass instead of storing
+them (fitted on an H100, see the module docstring)."""
 
 GIB = 1024**3
 MIB = 1024**2
@@ -473,7 +507,8 @@ def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments
     cfg = dataclasses.replace(model_cfg, gradient_checkpointing=remat)
     layers = model_cfg.num_layers
     mlp = tuple(d for d in (getattr(model_cfg, "mlp_dim", None), getattr(model_cfg, "intermediate_dim", None)) if d)
-    act_bytes = CPU_ACTIVATION_BYTES if platform == "cpu" else None
+    on_cpu = platform == "cpu"
+    act_bytes = CPU_ACTIVATION_BYTES if on_cpu else None
     kw = dict(seq_len=model_cfg.seq_len, vocab=vocab, mlp_dims=mlp, model_size=model_size, act_bytes=act_bytes,
               num_heads=getattr(model_cfg, "num_heads", 0))
     # On XLA:CPU, bf16 tensors saved into a scan's stacked buffers go through f32; those of an
@@ -501,9 +536,20 @@ def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments
         full = _Saved(*(b - a for a, b in zip(one_nr, two_nr, strict=True)))
     else:
         full = per_layer
-    # The logits' cotangent is computed in f32 (softmax - onehot), then cast.
-    logits_grad = batch * model_cfg.seq_len * vocab * 4
+    # The logits' cotangent is computed in f32 (softmax - onehot), then cast; on accelerators
+    # that computation is fused into the cast, so one compute-dtype buffer.
+    logits_grad = batch * model_cfg.seq_len * vocab * (4 if on_cpu else jnp.dtype(compute_dtype).itemsize)
     logits_grad //= model_size if model_size > 1 and vocab % model_size == 0 else 1
+    if not on_cpu:
+        if not remat:  # XLA's fusions keep about half of what autodiff saves per layer
+            layers_saved = int(ACCELERATOR_SAVED_FACTOR * (total - logits))
+            total, per_layer = layers_saved + logits, dataclasses.replace(
+                per_layer, total=int(ACCELERATOR_SAVED_FACTOR * per_layer.total))
+        # the head's cotangent is the peak; layers' backward buffers come and go within it
+        return Activations(
+            saved=total, saved_per_layer=per_layer.total, attention=attention, logits=logits,
+            head_backward=total + logits_grad, layer_backward=total - logits,
+        )
     head = total + int(HEAD_GRAD_BUFFERS * logits_grad)
     # Layer backward: everything saved but the logits residuals, the recomputed layer (with
     # checkpointing), and the attention backward's working set.
@@ -588,8 +634,11 @@ def estimate(
     # FSDP: parameters sharded over ``data`` are gathered for compute (in the compute dtype) and
     # their f32 gradients exist unsharded over ``data`` until reduce-scattered.
     floating = [(p, f, d) for p, f, d in leaves if jnp.issubdtype(p.dtype, jnp.floating)]
+    # On accelerators the unrolled layers cast (and, under FSDP, gather) each layer's weights
+    # just before use: only the gathered copies are counted, not a whole compute-dtype copy.
+    on_cpu = platform == "cpu"
     compute_copy = sum(_sharded_bytes(p, f // d, compute) for p, f, d in floating
-                       if d > 1 or jnp.dtype(p.dtype) != compute)
+                       if d > 1 or (on_cpu and jnp.dtype(p.dtype) != compute))
     backward_grads = sum(_sharded_bytes(p, f // d, jnp.float32) for p, f, d in leaves)
     opt_bytes = _optimizer_bytes(cfg.optimizer, params, axes, factors)
     rows = -(-tc.train_batch_size // data_size)
@@ -623,7 +672,7 @@ def estimate(
         compute_copy=compute_copy,
         backward_gradients=backward_grads,
         batch=batch_bytes,
-        update_buffer=grad_bytes,
+        update_buffer=grad_bytes if on_cpu else 0,  # fused into the update on accelerators
         activations_remat=acts[True],
         activations_no_remat=acts[False],
     )

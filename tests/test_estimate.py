@@ -205,3 +205,21 @@ def test_auto_parallelism_that_cannot_fit_names_the_field():
         resolve_auto_parallelism(cfg, 1, 64)
     with pytest.raises(ConfigError, match="per_device_parallelism.*'auto'"):
         load_config(None, {"trainer.per_device_parallelism": "atuo"})
+
+
+def test_accelerator_model_casts_per_layer_and_fuses_the_head_cotangent():
+    """On GPU/TPU (unrolled layers; calibrated on an H100, see ``bench/estimate_check.py``):
+    no whole compute-dtype copy of the parameters on one device, no separate update buffer,
+    one compute-dtype [B, T, V] cotangent, and about half of the layers' traced residuals."""
+    cfg = cfg_of(GPT2, trainer__mp="p=f32,c=bfloat16", model__num_layers=4, model__gradient_checkpointing=False)
+    gpu = estimate(cfg, num_devices=1, vocab_size=VOCAB, platform="gpu", segments=False)
+    cpu = est(cfg)
+    assert cpu.compute_copy > 0 and cpu.update_buffer > 0
+    assert gpu.compute_copy == 0 and gpu.update_buffer == 0
+    a = gpu.activations_no_remat
+    assert a.head_backward - a.saved == 4 * 64 * VOCAB * 2
+    plain = estimate(cfg, num_devices=1, vocab_size=VOCAB, platform="gpu", segments=False).activations_remat
+    assert plain.saved < a.saved  # checkpointing still saves less
+    fsdp = estimate(cfg_of(GPT2, trainer__mp="p=f32,c=bfloat16", model__num_layers=4), num_devices=4,
+                    vocab_size=VOCAB, platform="gpu", segments=False)
+    assert fsdp.compute_copy > 0  # the gathered (unsharded over data) weights are counted
