@@ -113,8 +113,8 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
     settings = {}
     for item in spec.split("+"):
         key, sep, value = item.partition("=")
-        if not sep or key not in ("attention", "vocab_pad", "unroll"):
-            raise SystemExit(f"--variants: {item!r} is not attention=..., vocab_pad=N or unroll=N")
+        if not sep or key not in ("attention", "vocab_pad", "unroll", "remat"):
+            raise SystemExit(f"--variants: {item!r} is not attention=..., vocab_pad=N, unroll=N or remat=0|1")
         settings[key] = value
     return spec, settings
 
@@ -133,7 +133,7 @@ def bench_shape(name: str, overrides: dict, steps: int, warmup: int, profile_dir
     vocab = overrides.pop("vocab")
     cfg = load_config(None, {
         **overrides, "trainer.mp": "p=f32,c=bfloat16", "trainer.per_device_parallelism": per_device if per_device == "auto" else int(per_device),
-        "model.gradient_checkpointing": False, "optimizer.lr_schedule": "constant", "optimizer.warmup": 0,
+        "optimizer.lr_schedule": "constant", "optimizer.warmup": 0,
         "optimizer.weight_decay": 0.1,
     })
     cfg = resolve_auto_parallelism(cfg, 1, vocab, segments=False)
@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--matmul", type=int, default=8192, help="side of the square matmul that measures the peak")
     p.add_argument("--variants", default="default", help=(
         "comma-separated variants to compare, each 'default' or '+'-joined settings among "
-        "attention=auto|xla|cudnn, vocab_pad=N (1 = none), unroll=N (largest unrolled layer stack; 0 = scan)"))
+        "attention=auto|xla|cudnn, vocab_pad=N (1 = none), unroll=N (largest unrolled layer stack; 0 = scan), "
+        "remat=0|1 (gradient checkpointing; default 0)"))
     p.add_argument("--per_device_parallelism", default="auto",
                    help="micro-batch per device: auto (the estimator picks against the device's memory) or N (-1: the whole batch)")
     p.add_argument("--profile", default=None, help="write a jax.profiler trace of 3 steps per run under this folder")
@@ -219,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
     defaults = {"vocab_pad": layers.VOCAB_PAD_MULTIPLE, "unroll": layers.ACCELERATOR_UNROLL_MAX_LAYERS}
     for name, (label, v) in itertools.product(names, variants):
-        overrides = {**SHAPES[name], **(SMOKE[name] if args.smoke else {})}
+        overrides = {**SHAPES[name], **(SMOKE[name] if args.smoke else {}),
+                     "model.gradient_checkpointing": bool(int(v.get("remat", 0)))}
         layers.VOCAB_PAD_MULTIPLE = int(v.get("vocab_pad", defaults["vocab_pad"]))
         layers.ACCELERATOR_UNROLL_MAX_LAYERS = int(v.get("unroll", defaults["unroll"]))
         trace = f"{args.profile}/{name}_{label}" if args.profile else None

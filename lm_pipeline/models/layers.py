@@ -609,8 +609,9 @@ def scan_blocks(
     better than the scan (the trainer saves only matmul outputs there instead, through
     :func:`layer_remat_policy`, which takes precedence over unrolling).
     On other backends (GPU, TPU), stacks of at most :data:`ACCELERATOR_UNROLL_MAX_LAYERS`
-    layers are unrolled when not checkpointed; with checkpointing the scan stays (an unrolled
-    stack would let XLA merge the recomputation into the forward pass).
+    layers are unrolled when not checkpointed. With checkpointing the scan stays: only the block
+    inputs are stacked then, and unrolling (with ``prevent_cse``) measured the same step time on
+    an H100 with a 3-6x longer compile.
     """
     params, static = eqx.partition(blocks, eqx.is_array)
     leaves = jax.tree.leaves(params)
