@@ -54,23 +54,6 @@ GRIDS = {
 }
 
 
-def xla_plan(cfg, vocab: int) -> int:
-    """Peak bytes of the compiled train step on a 1-device mesh, from XLA's buffer assignment."""
-    import jax
-    import jax.numpy as jnp
-
-    from lm_pipeline.train.sharding import make_mesh
-    from lm_pipeline.train.trainer import build_step_functions
-
-    plan = make_mesh(cfg.trainer, jax.devices()[:1])
-    fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=vocab, num_train_steps=10,
-                               plan=plan, has_segments=False)
-    tokens = jax.ShapeDtypeStruct((cfg.trainer.train_batch_size, cfg.model.seq_len), jnp.int32)
-    with jax.set_mesh(plan.mesh):
-        m = fns.train_step.lower(fns.abstract_state, tokens, None).compile().memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", choices=sorted(GRIDS), default="small")
@@ -80,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     import jax
 
     from lm_pipeline.config import load_config
-    from lm_pipeline.estimate import estimate
+    from lm_pipeline.estimate import compiled_step_bytes, estimate
 
     gib = 2.0**30
     rows = []
@@ -93,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         for remat in (False, True):
             cfg = load_config(None, {**spec, "model.gradient_checkpointing": remat, "trainer.mp": args.mp,
                                      "trainer.per_device_parallelism": -1})
-            xla = xla_plan(cfg, vocab)
+            xla = compiled_step_bytes(cfg, vocab)
             e = estimate(cfg, num_devices=1, vocab_size=vocab, segments=False)
             a = e.activations_detail
             mc = cfg.model

@@ -678,6 +678,23 @@ def estimate(
     )
 
 
+def compiled_step_bytes(cfg: RunConfig, vocab_size: int, *, segments: bool = False) -> int:
+    """What XLA plans for the real train step of ``cfg`` on one device, without running it:
+    ``argument + output - alias + temp`` bytes of the compiled step's memory analysis (the
+    state is donated, so outputs alias arguments; ``temp`` packs every intermediate at its
+    peak). The figure :attr:`Estimate.total` is calibrated against."""
+    from lm_pipeline.train.sharding import make_mesh
+    from lm_pipeline.train.trainer import build_step_functions
+
+    plan = make_mesh(cfg.trainer, jax.devices()[:1])
+    fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=vocab_size, num_train_steps=10,
+                               plan=plan, has_segments=segments)
+    tokens = jax.ShapeDtypeStruct((cfg.trainer.train_batch_size, cfg.model.seq_len), jnp.int32)
+    with jax.set_mesh(plan.mesh):
+        m = fns.train_step.lower(fns.abstract_state, tokens, tokens if segments else None).compile().memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
 def micro_batch_candidates(train_batch_size: int, data_size: int) -> list[int]:
     """Per-device micro-batches ``m`` the trainer accepts: ``m * data_size`` divides the batch."""
     if train_batch_size % data_size:

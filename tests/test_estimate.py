@@ -5,14 +5,17 @@ import math
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import pytest
 
 from lm_pipeline.config import load_config
-from lm_pipeline.estimate import Estimate, auto_micro_batch, estimate, micro_batch_candidates
+from lm_pipeline.estimate import (
+    Estimate,
+    auto_micro_batch,
+    compiled_step_bytes,
+    estimate,
+    micro_batch_candidates,
+)
 from lm_pipeline.schema import ConfigError
-from lm_pipeline.train.sharding import make_mesh
-from lm_pipeline.train.trainer import build_step_functions
 
 VOCAB = 512
 
@@ -153,14 +156,7 @@ def test_render_and_fits():
 
 
 def xla_peak(cfg, vocab: int) -> int:
-    """argument + output - alias + temp bytes of the compiled train step on a 1-device mesh."""
-    plan = make_mesh(cfg.trainer, jax.devices()[:1])
-    fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=vocab, num_train_steps=10,
-                               plan=plan, has_segments=False)
-    tokens = jax.ShapeDtypeStruct((cfg.trainer.train_batch_size, cfg.model.seq_len), jnp.int32)
-    with jax.set_mesh(plan.mesh):
-        m = fns.train_step.lower(fns.abstract_state, tokens, None).compile().memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    return compiled_step_bytes(cfg, vocab)
 
 
 @pytest.mark.parametrize("base, mp", [(GPT2, "f32"), (LLAMA, "p=f32,c=bf16")], ids=["gpt2_f32", "llama_gqa_bf16"])
