@@ -3,32 +3,36 @@
 Needs only the core (``lm_pipeline`` with JAX, Equinox, Optax): no Dagster, no data, no
 tokenizer. For each shape it builds this trainer's jitted step
 (:func:`lm_pipeline.train.trainer.build_step_functions`, bf16 compute with f32 parameters,
-AdamW, fused attention through ``jax.nn.dot_product_attention``), picks the micro-batch with
-``per_device_parallelism: auto`` (the estimator against the device's memory), times
-``--steps`` steps after warm-up on random tokens, and reports:
+AdamW, cuDNN flash attention, no gradient checkpointing unless a variant asks for it), picks
+the micro-batch with ``per_device_parallelism: auto`` (the estimator against the device's
+memory), times ``--steps`` steps after warm-up on random tokens, and reports:
 
 * step time, tokens/s, model FLOPs per token (``flops_per_token``: 6N + attention, as in
-  Levanter's MFU), achieved FLOP/s;
-* the ceiling: the median FLOP/s of a large bf16 matmul (8192 x 8192 x 8192 by default) on
-  the same device, measured in the same run; ``mfu`` = achieved / that peak (and against the
-  vendor's dense bf16 peak where the card is known: ``PEAK_BF16_FLOPS``);
-* memory: the device's ``peak_bytes_in_use`` after the shape's steps, beside the estimate.
+  Levanter's MFU; recomputation is not counted), achieved FLOP/s;
+* the ceiling: the fastest of JAX's and (where installed) PyTorch's bf16 matmul
+  (8192 x 8192 x 8192 by default) on the same device, measured in the same run after warming
+  the card; ``mfu`` = achieved / that ceiling (and against the vendor's dense bf16 peak where
+  the card is known: ``PEAK_BF16_FLOPS``);
+* memory: the device's ``peak_bytes_in_use`` after the shape's steps (process-wide, so a
+  later row shows the largest so far), XLA's plan of the compiled step, and the estimate.
 
 Shapes::
 
     gpt2_124m:  GPT-2, 12 layers, 12 heads, width 768, seq 1024, vocab 50257, batch 32
     llama_350m: Llama, 24 layers, 16 heads, width 1024, MLP 2816, seq 2048, vocab 32000, batch 16
 
-    python bench/gpu_mfu.py [--shapes gpt2_124m,llama_350m] [--steps 20] [--attention auto,xla] [--smoke]
+    python bench/gpu_mfu.py [--shapes gpt2_124m,llama_350m] [--steps 20] [--variants default,unroll=0]
+                            [--per_device_parallelism auto] [--profile DIR] [--smoke]
 
-``--attention`` runs each shape once per attention implementation (``auto``: cuDNN's fused
-flash attention where it applies; ``xla``: XLA's own attention), in this one process, so the
-two can be compared on the same card.
+``--variants`` runs each shape once per variant in this one process, so that changes can be
+compared on the same card: ``default`` (the library as it is) or ``+``-joined settings, e.g.
+``attention=xla`` (XLA's attention instead of cuDNN's), ``vocab_pad=1`` (no LM-head vocabulary
+padding), ``unroll=0`` (scan the layer stack), ``remat=1`` (gradient checkpointing).
+``--profile DIR`` writes a ``jax.profiler`` trace of 3 steps per run.
 
 ``--smoke`` runs tiny versions of both shapes (on any backend, CPU included) to check the
 script itself; its numbers mean nothing. The last line is ``RESULT {json}`` with ``ratio`` =
-the smallest MFU (achieved / measured matmul peak) over the shapes, taking for each shape its
-first attention implementation listed (``auto`` by default).
+the smallest MFU (achieved / measured ceiling) over the shapes for the first variant listed.
 """
 
 from __future__ import annotations
