@@ -105,7 +105,11 @@ vocab, layers, heads [/ kv heads], M = MLP width; f32 and ``p=f32,c=bf16``::
     gpt2  192/256/4/2048/3/6      576  -                 -                 71.1->63.8 0.90   140.5->125.6 0.89
     llama 192/256/4/2048/3/6/3    960  -                 -                 94.0->88.4 0.94   163.8->156.5 0.96
 
-All 88 within 20% (0.84-1.11). Also checked: gradient accumulation
+All 88 within 20% (0.84-1.11), measured before the CPU's blocked attention. Since then, an
+unrolled bf16 stack whose attention takes the blocked path (more than one query block, T >= 128)
+keeps its saved tensors in f32 like a scanned one: ``python bench/estimate_check.py`` (bf16,
+micro-batch 8) gives 1.12, 1.14, 1.00 and 1.03 on its four models without checkpointing
+(counted as bf16 they were 0.77-0.87) and 0.86-1.04 with it. Also checked: gradient accumulation
 (micro-batch 2 of 8 sequences: 1.10 and 1.03), pure data parallelism on 8 host devices (1.00),
 tensor parallelism over 2 (1.00), GPT-2 with all dropouts at 0.1 (0.90 and 1.01).
 
@@ -513,8 +517,12 @@ def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments
               num_heads=getattr(model_cfg, "num_heads", 0))
     # On XLA:CPU, bf16 tensors saved into a scan's stacked buffers go through f32; those of an
     # unrolled stack (``scan_blocks`` unrolls short low-precision stacks without checkpointing)
-    # or recomputed inside one layer stay bf16, except attention's.
-    unrolled = not remat and layers <= _unroll_max_layers() and jnp.dtype(compute_dtype) != jnp.float32
+    # or recomputed inside one layer stay bf16, except attention's -- as long as attention
+    # takes XLA's path (one query block); with the blocked attention they measured f32 too.
+    from lm_pipeline.models.blocked_attention import num_query_blocks
+
+    unrolled = (not remat and layers <= _unroll_max_layers() and jnp.dtype(compute_dtype) != jnp.float32
+                and num_query_blocks(model_cfg.seq_len) == 1)
     from lm_pipeline.train.trainer import saves_only_dots
 
     # f32 on CPU without checkpointing: the trainer saves only matmul outputs per layer.
