@@ -508,6 +508,9 @@ def _unroll_max_layers() -> int:
 
 def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments: bool, *,
                  remat: bool, model_size: int, platform: str) -> Activations:
+    from lm_pipeline.models.blocked_attention import num_query_blocks
+    from lm_pipeline.train.trainer import saves_only_dots
+
     cfg = dataclasses.replace(model_cfg, gradient_checkpointing=remat)
     layers = model_cfg.num_layers
     mlp = tuple(d for d in (getattr(model_cfg, "mlp_dim", None), getattr(model_cfg, "intermediate_dim", None)) if d)
@@ -519,12 +522,8 @@ def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments
     # unrolled stack (``scan_blocks`` unrolls short low-precision stacks without checkpointing)
     # or recomputed inside one layer stay bf16, except attention's -- as long as attention
     # takes XLA's path (one query block); with the blocked attention they measured f32 too.
-    from lm_pipeline.models.blocked_attention import num_query_blocks
-
     unrolled = (not remat and layers <= _unroll_max_layers() and jnp.dtype(compute_dtype) != jnp.float32
                 and num_query_blocks(model_cfg.seq_len) == 1)
-    from lm_pipeline.train.trainer import saves_only_dots
-
     # f32 on CPU without checkpointing: the trainer saves only matmul outputs per layer.
     dots = not remat and saves_only_dots(cfg, compute_dtype, platform)
 
@@ -538,12 +537,6 @@ def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments
     total = one.total + (layers - 1) * per_layer.total
     attention = one.attention + (layers - 1) * per_layer.attention
     logits = one.logits + (layers - 1) * per_layer.logits
-    # One layer's full saved set (what a checkpointed layer recomputes in its backward pass).
-    if remat or dots:
-        one_nr, two_nr = dataclasses.astuple(saved(1, False, True)), dataclasses.astuple(saved(2, False, True))
-        full = _Saved(*(b - a for a, b in zip(one_nr, two_nr, strict=True)))
-    else:
-        full = per_layer
     # The logits' cotangent is computed in f32 (softmax - onehot), then cast; on accelerators
     # that computation is fused into the cast, so one compute-dtype buffer.
     logits_grad = batch * model_cfg.seq_len * vocab * (4 if on_cpu else jnp.dtype(compute_dtype).itemsize)
@@ -559,6 +552,12 @@ def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments
             head_backward=total + logits_grad, layer_backward=total - logits,
         )
     head = total + int(HEAD_GRAD_BUFFERS * logits_grad)
+    # One layer's full saved set (what a checkpointed layer recomputes in its backward pass).
+    if remat or dots:
+        one_nr, two_nr = dataclasses.astuple(saved(1, False, True)), dataclasses.astuple(saved(2, False, True))
+        full = _Saved(*(b - a for a, b in zip(one_nr, two_nr, strict=True)))
+    else:
+        full = per_layer
     # Layer backward: everything saved but the logits residuals, the recomputed layer (with
     # checkpointing), and the attention backward's working set.
     # (under the dots policy a layer recomputes only what lies between its saved matmul outputs)
