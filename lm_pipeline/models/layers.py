@@ -154,18 +154,19 @@ DENSE_OUT = "dense_out"
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x [..., K] @ w [K, N] -> [..., N]``, the projections of attention and the MLP.
 
-    On the CPU backend through :func:`_dense_cpu` (same values, a different weight-gradient
+    On the CPU backend through :func:`_matmul` (same values, a different weight-gradient
     layout) with its output named :data:`DENSE_OUT` for the remat policy; elsewhere a plain
     einsum.
     """
     if jax.default_backend() != "cpu":
         return jnp.einsum("...k,kn->...n", x, w)
-    return checkpoint_name(_dense_cpu(x, w), DENSE_OUT)
+    return checkpoint_name(_matmul(x, w), DENSE_OUT)
 
 
 @jax.custom_vjp
-def _dense_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w`` whose weight gradient ``xᵀ g`` reads an explicitly transposed operand.
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` whose weight gradient ``xᵀ g`` goes through :func:`_xt_g` (on the CPU backend:
+    an explicitly transposed operand). The CPU projections and, on every backend, the LM head.
 
     Autodiff's ``dW = einsum("mk,mn->kn", x, g)`` contracts both operands over their leading
     axis; XLA:CPU gives that form to Eigen (88–133 GFLOP/s on this project's shapes, against
@@ -176,11 +177,11 @@ def _dense_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...k,kn->...n", x, w)
 
 
-def _dense_cpu_fwd(x, w):
-    return _dense_cpu(x, w), (x, w)
+def _matmul_fwd(x, w):
+    return _matmul(x, w), (x, w)
 
 
-def _dense_cpu_bwd(res, g):
+def _matmul_bwd(res, g):
     x, w = res
     dx = jnp.einsum("...n,kn->...k", g, w)
     dw = _xt_g(x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]))
@@ -203,7 +204,7 @@ def _xt_g(x: jax.Array, g: jax.Array) -> jax.Array:
     return (jax.lax.optimization_barrier(g.T) @ x).T
 
 
-_dense_cpu.defvjp(_dense_cpu_fwd, _dense_cpu_bwd)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 # ----------------------------------------------------------------------------- LM head
@@ -235,28 +236,9 @@ def lm_logits(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def _padded_lm_logits(x: jax.Array, w: jax.Array, pad: int) -> jax.Array:
     """:func:`lm_logits` computed with ``pad`` zero rows appended to ``w`` (sliced off again)."""
-    if pad == 0:
-        return _lm_logits(x, w)
-    return _lm_logits(x, jnp.pad(w, ((0, pad), (0, 0))))[..., : w.shape[0]]
-
-
-@jax.custom_vjp
-def _lm_logits(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum("btd,vd->btv", x, w)
-
-
-def _lm_logits_fwd(x, w):
-    return _lm_logits(x, w), (x, w)
-
-
-def _lm_logits_bwd(res, g):
-    x, w = res
-    dx = jnp.einsum("btv,vd->btd", g, w)
-    dw = _xt_g(x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])).T
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_lm_logits.defvjp(_lm_logits_fwd, _lm_logits_bwd)
+    wp = w if pad == 0 else jnp.pad(w, ((0, pad), (0, 0)))
+    logits = _matmul(x, wp.T)  # dW = (xᵀ g)ᵀ: autodiff transposes only the [D, V] result
+    return logits if pad == 0 else logits[..., : w.shape[0]]
 
 
 # ----------------------------------------------------------------------------- attention
