@@ -698,7 +698,16 @@ def compiled_step_bytes(cfg: RunConfig, vocab_size: int, *, segments: bool = Fal
                                plan=plan, has_segments=segments)
     tokens = jax.ShapeDtypeStruct((cfg.trainer.train_batch_size, cfg.model.seq_len), jnp.int32)
     with jax.set_mesh(plan.mesh):
-        m = fns.train_step.lower(fns.abstract_state, tokens, tokens if segments else None).compile().memory_analysis()
+        compiled = fns.train_step.lower(fns.abstract_state, tokens, tokens if segments else None).compile()
+    return planned_bytes(compiled)
+
+
+def planned_bytes(compiled: Any) -> int | None:
+    """Peak bytes of a compiled step from XLA's memory analysis (``argument + output - alias +
+    temp``), or None where the backend gives no analysis."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
     return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
