@@ -40,7 +40,7 @@ class LmConfig(Choice):
 
 
 class LmModel(eqx.Module):
-    """Base of all models. Subclasses implement ``__call__`` and ``param_axes``."""
+    """Base of all models. Subclasses implement ``__call__``, ``features`` and ``param_axes``."""
 
     def __call__(
         self,
@@ -55,6 +55,21 @@ class LmModel(eqx.Module):
         segment_ids: see :class:`lm_pipeline.batch.LmBatch`; None = plain causal attention.
         key / inference: dropout randomness; dropout is active only when ``inference`` is False.
         """
+        raise NotImplementedError
+
+    def features(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        *,
+        key: jax.Array | None = None,
+        inference: bool = True,
+    ) -> tuple[jax.Array, jax.Array]:
+        """What the LM head multiplies: the final (normed) hidden states ``[B, T, D]`` and the
+        head's weight ``[vocab, D]``; ``__call__`` is
+        :func:`~lm_pipeline.models.layers.lm_logits` of the two. The trainer's CPU loss takes
+        these directly (:func:`lm_pipeline.train.trainer.fused_head_loss_sums`), so the
+        ``[B, T, vocab]`` logits never exist whole."""
         raise NotImplementedError
 
     def param_axes(self) -> Any:

@@ -180,6 +180,9 @@ class Gpt2Model(LmModel):
         self.config = config
 
     def __call__(self, tokens, segment_ids=None, *, key=None, inference=True):
+        return lm_logits(*self.features(tokens, segment_ids, key=key, inference=inference))
+
+    def features(self, tokens, segment_ids=None, *, key=None, inference=True):
         cfg = self.config
         t = tokens.shape[1]
         if t > cfg.seq_len:
@@ -196,7 +199,7 @@ class Gpt2Model(LmModel):
         x = dropout(x, cfg.embed_pdrop, k_emb)
         layer_keys = jax.random.split(k_layers, cfg.num_layers) if training else None
         x, _ = self._trunk(x, mask, keys=layer_keys)
-        return self._logits(x)
+        return self.ln_f(x), self.token_embeddings
 
     def _trunk(self, x, mask, *, keys=None, cache: KVCache | None = None, position: Any = 0):
         cfg = self.config

@@ -186,6 +186,9 @@ class LlamaModel(LmModel):
         self.config = config
 
     def __call__(self, tokens, segment_ids=None, *, key=None, inference=True):
+        return lm_logits(*self.features(tokens, segment_ids, key=key, inference=inference))
+
+    def features(self, tokens, segment_ids=None, *, key=None, inference=True):
         del key, inference  # Llama has no dropout
         t = tokens.shape[1]
         if segment_ids is None:
@@ -193,7 +196,7 @@ class LlamaModel(LmModel):
         else:
             positions, mask = segment_positions(segment_ids), segment_mask(segment_ids)
         x, _ = self._trunk(self.token_embeddings[tokens], mask, positions)
-        return self._logits(x)
+        return self.norm(x), self.token_embeddings if self.lm_head is None else self.lm_head
 
     def _trunk(self, x, mask, positions, *, cache: KVCache | None = None, position: Any = 0):
         cfg = self.config

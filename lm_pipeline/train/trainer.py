@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,12 @@ def next_token_loss_sums(logits: jax.Array, tokens: jax.Array, segment_ids: jax.
     Computed over all T positions with the last one masked out (slicing the ``[B, T, V]``
     logits to ``T - 1`` costs a copy forward and a pad backward), by :func:`_xent_sum`.
     """
+    targets, mask = _next_token_targets(tokens, segment_ids)
+    return _xent_sum(logits, targets, mask), jnp.sum(mask)
+
+
+def _next_token_targets(tokens: jax.Array, segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """(targets ``[B, T]``, f32 mask ``[B, T]``): position t predicts token t+1 of its document."""
     b, t = tokens.shape
     # Target of the last position is a placeholder (masked).
     targets = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
@@ -60,7 +67,114 @@ def next_token_loss_sums(logits: jax.Array, tokens: jax.Array, segment_ids: jax.
     else:
         nxt = jnp.concatenate([segment_ids[:, 1:], segment_ids[:, :1]], axis=1)
         mask = (has_next & (nxt == segment_ids) & (nxt != 0)).astype(jnp.float32)
-    return _xent_sum(logits, targets, mask), jnp.sum(mask)
+    return targets, mask
+
+
+HEAD_CHUNK_ROWS = 512
+"""Token rows (batch x positions) per chunk of :func:`fused_head_loss_sums`: a chunk's
+``[rows, vocab]`` logits, probabilities and cotangent stay small enough to be reused from cache."""
+
+
+def head_chunks(batch: int, seq_len: int) -> tuple[tuple[int, int], ...]:
+    """The ``[start, end)`` position ranges :func:`fused_head_loss_sums` splits a sequence into:
+    about :data:`HEAD_CHUNK_ROWS` rows (``batch x positions``) each."""
+    n = max(1, min(seq_len, round(batch * seq_len / HEAD_CHUNK_ROWS)))
+    size = -(-seq_len // n)
+    return tuple((s, min(seq_len, s + size)) for s in range(0, seq_len, size))
+
+
+def fused_head_loss_sums(
+    hidden: jax.Array, head: jax.Array, tokens: jax.Array, segment_ids: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`next_token_loss_sums` of ``lm_logits(hidden, head)``, computed in chunks of
+    positions so that the ``[B, T, V]`` logits never exist whole.
+
+    ``hidden`` ``[B, T, D]`` and ``head`` ``[V, D]`` are what
+    :meth:`~lm_pipeline.models.base.LmModel.features` returns. Each chunk (about
+    :data:`HEAD_CHUNK_ROWS` token rows) computes its logits, its share of the loss and, when
+    differentiated, its gradients at once: the cotangent ``softmax - onehot`` is used while it is
+    still in cache and the pass keeps only ``d hidden`` ``[B, T, D]`` and ``d head`` ``[V, D]``
+    for the backward pass (the loss is the last thing computed, so its gradients are those
+    times the incoming scalar cotangent). Same values as the unfused loss up to float rounding
+    (``tests/test_fused_head.py``); the weight gradient is accumulated over chunks in f32.
+    Chunks split positions, not the batch, so a batch sharded over devices stays sharded.
+    """
+    targets, mask = _next_token_targets(tokens, segment_ids)
+    bounds = head_chunks(*tokens.shape)
+    return _fused_head_xent(hidden, head, targets, mask, bounds), jnp.sum(mask)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_head_xent(hidden, head, targets, mask, bounds):
+    return _head_xent_chunks(hidden, head, targets, mask, bounds, grads=False)[0]
+
+
+def _head_xent_chunks(hidden, head, targets, mask, bounds, *, grads: bool):
+    from lm_pipeline.models.layers import _xt_g
+
+    f32 = jnp.float32
+    total = jnp.zeros((), f32)
+    d_hidden, d_head_t = [], None
+    for t0, t1 in bounds:
+        h = hidden[:, t0:t1]
+        if t0 > 0:  # chunks in order, one at a time: the next starts when this one's results exist
+            h, total, d_head_t, d_hidden = jax.lax.optimization_barrier((h, total, d_head_t, d_hidden))
+        tgt, m = targets[:, t0:t1], mask[:, t0:t1]
+        logits = jnp.einsum("btd,vd->btv", h, head)  # as lm_logits: [B, t, V], compute dtype
+        lf = logits.astype(f32)
+        mx = jnp.max(lf, axis=-1)
+        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+        e = jnp.exp(lf - mx[..., None])
+        z = jnp.sum(e, axis=-1)
+        picked = jnp.take_along_axis(lf, tgt[..., None], axis=-1)[..., 0]
+        total = total + jnp.sum((mx + jnp.log(z) - picked) * m)
+        if grads:
+            onehot = jnp.arange(head.shape[0], dtype=tgt.dtype) == tgt[..., None]
+            dl = ((e / z[..., None] - onehot.astype(f32)) * m[..., None]).astype(logits.dtype)
+            d_hidden.append(jnp.einsum("btv,vd->btd", dl, head))
+            part = _xt_g(h.reshape(-1, h.shape[-1]), dl.reshape(-1, dl.shape[-1])).astype(f32)  # [D, V]
+            d_head_t = part if d_head_t is None else d_head_t + part
+    if not grads:
+        return total, None
+    return total, (jnp.concatenate(d_hidden, axis=1), d_head_t)
+
+
+def _fused_head_xent_fwd(hidden, head, targets, mask, bounds):
+    total, (d_hidden, d_head_t) = _head_xent_chunks(hidden, head, targets, mask, bounds, grads=True)
+    return total, (d_hidden, d_head_t, jnp.zeros((), head.dtype))
+
+
+def _fused_head_xent_bwd(bounds, res, g):
+    d_hidden, d_head_t, head_dtype = res
+    return (g * d_hidden).astype(d_hidden.dtype), (g * d_head_t.T).astype(head_dtype.dtype), None, None
+
+
+_fused_head_xent.defvjp(_fused_head_xent_fwd, _fused_head_xent_bwd)
+
+
+def model_loss_sums(
+    model: LmModel, tokens: jax.Array, segment_ids: jax.Array | None, *, key: jax.Array | None,
+    inference: bool, fused_head: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """(loss sum, predicted tokens) of ``model`` on a batch: the training loss.
+
+    ``fused_head``: through :func:`fused_head_loss_sums` (the CPU trainer's choice, see
+    :func:`uses_fused_head`), else the model's logits and :func:`next_token_loss_sums`."""
+    if fused_head:
+        hidden, head = model.features(tokens, segment_ids, key=key, inference=inference)
+        return fused_head_loss_sums(hidden, head, tokens, segment_ids)
+    logits = model(tokens, segment_ids, key=key, inference=inference)
+    return next_token_loss_sums(logits, tokens, segment_ids)
+
+
+def uses_fused_head(platform: str, loss_scaling: bool) -> bool:
+    """Whether the trainer computes its loss with :func:`fused_head_loss_sums`: on the CPU
+    backend, unless f16 loss scaling is on (the chunk's cotangent would be cast to f16 before
+    it is scaled). 1.1x faster than logits + :func:`next_token_loss_sums` for the head and loss
+    of a width-384, 8k-vocabulary GPT-2 on 2 CPU cores, and no ``[B, T, V]`` activations
+    (``docs/benchmarks.md``). Accelerators keep the logits path their MFU figures were measured
+    with."""
+    return platform == "cpu" and not loss_scaling
 
 
 @jax.custom_vjp
@@ -147,9 +261,13 @@ def saves_only_dots(model_cfg, compute_dtype, platform: str) -> bool:
     )
 
 
-def _save_only_dots(model_cfg, precision: Precision, plan: MeshPlan) -> bool:
+def _platform(plan: MeshPlan) -> str:
     platforms = {d.platform for d in plan.mesh.devices.flat}
-    return platforms == {"cpu"} and saves_only_dots(model_cfg, precision.compute, "cpu")
+    return platforms.pop() if len(platforms) == 1 else "mixed"
+
+
+def _save_only_dots(model_cfg, precision: Precision, plan: MeshPlan) -> bool:
+    return _platform(plan) == "cpu" and saves_only_dots(model_cfg, precision.compute, "cpu")
 
 
 def _is_array_like(x) -> bool:
@@ -243,14 +361,14 @@ def build_step_functions(
     compute_shardings = MeshPlan(plan.mesh, plan.compute_mapping, plan.compute_mapping).param_shardings(axes, model_arrays)
 
     save_dots_only = _save_only_dots(model_cfg, precision, plan)
+    fused_head = uses_fused_head(_platform(plan), precision.uses_loss_scaling)
 
     def loss_sums(params, tokens, seg, key):
         params = jax.lax.with_sharding_constraint(cast_floating(params, precision.compute), compute_shardings)
         model = eqx.combine(params, model_static)
         policy = matmuls_and_attention_saveable() if save_dots_only else None
         with layer_remat_policy(policy):
-            logits = model(tokens, seg, key=key, inference=not dropout_active)
-        return next_token_loss_sums(logits, tokens, seg)
+            return model_loss_sums(model, tokens, seg, key=key, inference=not dropout_active, fused_head=fused_head)
 
     def grad_sums(params, tokens, seg, key, scale):
         # Gradients of scale * loss_sum (scale = the f16 loss scale, else 1); loss_sum unscaled.
