@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
-from functools import partial
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import equinox as eqx
@@ -441,8 +441,8 @@ def build_step_functions(
     def eval_step(state: TrainState, tokens, seg):
         params = state.model
         model = eqx.combine(cast_floating(params, precision.compute), model_static)
-        logits = model(tokens, seg, inference=True)
-        return next_token_loss_sums(logits, tokens, seg)
+        # Not differentiated: on CPU the fused head computes only the loss, chunk by chunk.
+        return model_loss_sums(model, tokens, seg, key=None, inference=True, fused_head=fused_head)
 
     jit_eval = jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding, seg_sharding), out_shardings=(replicated, replicated))
     return StepFunctions(init, jit_train, jit_eval, state_shardings, abstract_state)
