@@ -35,7 +35,7 @@ import numpy as np
 
 from lm_pipeline.models.base import LmModel
 from lm_pipeline.models.gpt2 import Gpt2Model
-from lm_pipeline.models.layers import decode_mask, rotary_cos_sin
+from lm_pipeline.models.layers import decode_mask, lm_logits, rotary_cos_sin
 from lm_pipeline.models.llama import LlamaModel
 
 __all__ = ["generate", "generate_text", "select_tokens"]
@@ -114,7 +114,7 @@ def _unrolled_decoder(model: LmModel, batch: int, max_len: int, dtype: Any):
             for i, block in enumerate(blocks):
                 x, kv = block(x, cfg, mask, rope, cache[i], position)
                 new.append(kv)
-        return model._logits(x), new
+        return lm_logits(*model._head(x)), new
 
     return cache, decode
 

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 
+from lm_pipeline.models.layers import lm_logits
 from lm_pipeline.schema import Choice, ConfigError
 
 
@@ -40,7 +41,7 @@ class LmConfig(Choice):
 
 
 class LmModel(eqx.Module):
-    """Base of all models. Subclasses implement ``__call__``, ``features`` and ``param_axes``."""
+    """Base of all models. Subclasses implement ``features`` and ``param_axes``."""
 
     def __call__(
         self,
@@ -55,7 +56,7 @@ class LmModel(eqx.Module):
         segment_ids: see :class:`lm_pipeline.batch.LmBatch`; None = plain causal attention.
         key / inference: dropout randomness; dropout is active only when ``inference`` is False.
         """
-        raise NotImplementedError
+        return lm_logits(*self.features(tokens, segment_ids, key=key, inference=inference))
 
     def features(
         self,
@@ -66,10 +67,10 @@ class LmModel(eqx.Module):
         inference: bool = True,
     ) -> tuple[jax.Array, jax.Array]:
         """What the LM head multiplies: the final (normed) hidden states ``[B, T, D]`` and the
-        head's weight ``[vocab, D]``; ``__call__`` is
-        :func:`~lm_pipeline.models.layers.lm_logits` of the two. The trainer's CPU loss takes
-        these directly (:func:`lm_pipeline.train.trainer.fused_head_loss_sums`), so the
-        ``[B, T, vocab]`` logits never exist whole."""
+        head's weight ``[vocab, D]``; ``__call__`` is :func:`lm_logits` of the two. The
+        trainer's CPU loss takes these directly
+        (:func:`lm_pipeline.train.trainer.fused_head_loss_sums`), so the ``[B, T, vocab]``
+        logits never exist whole."""
         raise NotImplementedError
 
     def param_axes(self) -> Any:

@@ -179,9 +179,6 @@ class Gpt2Model(LmModel):
         self.ln_f = LayerNorm(config.hidden_dim, config.layer_norm_epsilon, config.use_bias)
         self.config = config
 
-    def __call__(self, tokens, segment_ids=None, *, key=None, inference=True):
-        return lm_logits(*self.features(tokens, segment_ids, key=key, inference=inference))
-
     def features(self, tokens, segment_ids=None, *, key=None, inference=True):
         cfg = self.config
         t = tokens.shape[1]
@@ -199,7 +196,7 @@ class Gpt2Model(LmModel):
         x = dropout(x, cfg.embed_pdrop, k_emb)
         layer_keys = jax.random.split(k_layers, cfg.num_layers) if training else None
         x, _ = self._trunk(x, mask, keys=layer_keys)
-        return self.ln_f(x), self.token_embeddings
+        return self._head(x)
 
     def _trunk(self, x, mask, *, keys=None, cache: KVCache | None = None, position: Any = 0):
         cfg = self.config
@@ -212,8 +209,8 @@ class Gpt2Model(LmModel):
         xs = (jnp.arange(cfg.num_layers), keys, kv)
         return scan_blocks(apply, self.blocks, x, xs, checkpoint=cfg.gradient_checkpointing and cache is None)
 
-    def _logits(self, x):
-        return lm_logits(self.ln_f(x), self.token_embeddings)
+    def _head(self, x):
+        return self.ln_f(x), self.token_embeddings
 
     def param_axes(self):
         return logical_axes(self)
@@ -233,4 +230,4 @@ class Gpt2Model(LmModel):
         pos_emb = jax.lax.dynamic_slice_in_dim(self.position_embeddings, position, s)
         x = self.token_embeddings[tokens] + pos_emb[None]
         x, (k, v) = self._trunk(x, decode_mask(position, s, cache.max_len), cache=cache, position=position)
-        return self._logits(x), KVCache(k, v)
+        return lm_logits(*self._head(x)), KVCache(k, v)

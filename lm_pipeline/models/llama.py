@@ -185,9 +185,6 @@ class LlamaModel(LmModel):
         self.lm_head = None if config.tie_word_embeddings else normal(k_head, (vocab_size, d), std)
         self.config = config
 
-    def __call__(self, tokens, segment_ids=None, *, key=None, inference=True):
-        return lm_logits(*self.features(tokens, segment_ids, key=key, inference=inference))
-
     def features(self, tokens, segment_ids=None, *, key=None, inference=True):
         del key, inference  # Llama has no dropout
         t = tokens.shape[1]
@@ -196,7 +193,7 @@ class LlamaModel(LmModel):
         else:
             positions, mask = segment_positions(segment_ids), segment_mask(segment_ids)
         x, _ = self._trunk(self.token_embeddings[tokens], mask, positions)
-        return self.norm(x), self.token_embeddings if self.lm_head is None else self.lm_head
+        return self._head(x)
 
     def _trunk(self, x, mask, positions, *, cache: KVCache | None = None, position: Any = 0):
         cfg = self.config
@@ -208,9 +205,8 @@ class LlamaModel(LmModel):
         kv = None if cache is None else (cache.k, cache.v)
         return scan_blocks(apply, self.blocks, x, kv, checkpoint=cfg.gradient_checkpointing and cache is None)
 
-    def _logits(self, x):
-        head = self.token_embeddings if self.lm_head is None else self.lm_head
-        return lm_logits(self.norm(x), head)
+    def _head(self, x):
+        return self.norm(x), self.token_embeddings if self.lm_head is None else self.lm_head
 
     def param_axes(self):
         return logical_axes(self)
@@ -228,4 +224,4 @@ class LlamaModel(LmModel):
         positions = (position + jnp.arange(s))[None]
         mask = decode_mask(position, s, cache.max_len)
         x, (k, v) = self._trunk(self.token_embeddings[tokens], mask, positions, cache=cache, position=position)
-        return self._logits(x), KVCache(k, v)
+        return lm_logits(*self._head(x)), KVCache(k, v)

@@ -23,7 +23,7 @@ import optax
 
 from lm_pipeline.batch import LmBatch, SequenceDataset, StepBatchSource
 from lm_pipeline.models.base import LmModel
-from lm_pipeline.models.layers import layer_remat_policy, matmuls_and_attention_saveable
+from lm_pipeline.models.layers import _xt_g, layer_remat_policy, matmuls_and_attention_saveable
 from lm_pipeline.train.config import Precision, TrainerConfig
 from lm_pipeline.train.optim import OptimizerConfig, loss_scale, skipped_steps, weight_decay_mask
 from lm_pipeline.train.sharding import MeshPlan
@@ -110,8 +110,6 @@ def _fused_head_xent(hidden, head, targets, mask, bounds):
 
 
 def _head_xent_chunks(hidden, head, targets, mask, bounds, *, grads: bool):
-    from lm_pipeline.models.layers import _xt_g
-
     f32 = jnp.float32
     total = jnp.zeros((), f32)
     d_hidden, d_head_t = [], None
