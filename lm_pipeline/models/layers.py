@@ -33,6 +33,8 @@ from lm_pipeline.models.blocked_attention import (
     blocked_causal_attention,
     num_query_blocks,
 )
+from lm_pipeline.models import native_attention
+from lm_pipeline.models.native_attention import native_causal_attention
 
 F32 = jnp.float32
 _log = logging.getLogger(__name__)
@@ -361,7 +363,9 @@ def attention(
     self-attention (T == S), as :func:`segment_mask` is.
 
     Implementations, same values: with attention dropout, an explicit softmax path that drops
-    probabilities; causal self-attention on the CPU backend,
+    probabilities; plain causal self-attention in float32 on a single CPU device, the native
+    kernel of :mod:`lm_pipeline.models.native_attention` where it builds; other causal
+    self-attention on the CPU backend,
     :func:`lm_pipeline.models.blocked_attention.blocked_causal_attention` (skips the masked
     upper triangle, flash-style backward pass); plain causal self-attention on a GPU in
     bf16/f16, cuDNN's fused flash attention (see :func:`attention_implementation`); otherwise
@@ -374,6 +378,8 @@ def attention(
         q, k, v = q.astype(F32), k.astype(F32), v.astype(F32)
     if dropout_rate > 0.0 and key is not None:
         out = softmax_attention(q, k, v, mask, scale=scale, dropout_rate=dropout_rate, key=key)
+    elif mask is None and _use_native(q, k, v):
+        out = native_causal_attention(q, k, v, scale)
     elif _use_blocked(q, k, mask, causal):
         out = blocked_causal_attention(q, k, v, mask, scale)
     elif mask is None and _use_cudnn(q, k, jax.default_backend()):
@@ -384,17 +390,19 @@ def attention(
 
 
 ATTENTION_ENV = "LM_PIPELINE_ATTENTION"
-_ATTENTION_CHOICES = ("auto", "xla", "cudnn")
+_ATTENTION_CHOICES = ("auto", "xla", "cudnn", "native")
 _attention_choice: contextvars.ContextVar[str | None] = contextvars.ContextVar("attention_choice", default=None)
 
 
 @contextlib.contextmanager
 def attention_implementation(choice: str) -> Iterator[None]:
-    """While tracing inside this context, plain causal attention on a GPU uses ``choice``:
-    ``auto`` (the default: cuDNN's fused flash attention where it applies, else XLA), ``xla``
-    (``jax.nn.dot_product_attention``'s XLA path) or ``cudnn`` (cuDNN, failing loudly where it
-    does not apply). Same values either way; only speed and memory differ. Without a context,
-    ``$LM_PIPELINE_ATTENTION`` gives the choice (``auto`` when unset)."""
+    """While tracing inside this context, plain causal attention uses ``choice``: ``auto`` (the
+    default: on a GPU cuDNN's fused flash attention where it applies, on a single CPU device
+    in float32 the native kernel of :mod:`lm_pipeline.models.native_attention` where it
+    builds, else XLA), ``xla`` (XLA's path: ``jax.nn.dot_product_attention`` on a GPU, the
+    blocked attention on the CPU), ``cudnn`` or ``native`` (that kernel, failing loudly where
+    it does not apply). Same values either way; only speed and memory differ. Without a
+    context, ``$LM_PIPELINE_ATTENTION`` gives the choice (``auto`` when unset)."""
     if choice not in _ATTENTION_CHOICES:
         raise ValueError(f"attention implementation must be one of {_ATTENTION_CHOICES}, got {choice!r}")
     token = _attention_choice.set(choice)
@@ -437,6 +445,28 @@ def _cudnn_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: flo
             raise
         _log.warning("cuDNN attention unavailable (%s); using XLA's attention", err)
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+def _use_native(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Plain causal self-attention in float32 on a process with one CPU device takes the native
+    kernel (``auto``: where it builds). Several devices keep XLA's path, which the SPMD
+    partitioner shards; the kernel is one opaque custom call."""
+    choice = _attention_choice_now()
+    if choice in ("xla", "cudnn") or jax.default_backend() != "cpu":
+        return False
+    applies = (
+        q.dtype == F32 and k.dtype == F32 and v.dtype == F32 and q.ndim == 4
+        and q.shape[1] == k.shape[1] and jax.device_count() == 1
+    )
+    if choice == "native":
+        if not applies:
+            raise ValueError(
+                f"{ATTENTION_ENV}=native: the native kernel takes float32 causal self-attention on a single "
+                f"CPU device; got q {q.dtype}{tuple(q.shape)}, k {tuple(k.shape)} on {jax.device_count()} devices"
+            )
+        native_attention.load()  # raises NativeAttentionUnavailable with the reason
+        return True
+    return applies and native_attention.available()
 
 
 def _use_blocked(q: jax.Array, k: jax.Array, mask: jax.Array | None, causal: bool) -> bool:

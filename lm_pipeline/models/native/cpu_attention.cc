@@ -1,0 +1,335 @@
+// Causal self-attention for the CPU backend as XLA FFI custom calls (forward and backward).
+//
+// Built at first use by lm_pipeline/models/native_attention.py (g++ -O3 -march=native) and
+// registered with jax.ffi; without a compiler the Python side keeps the XLA path. Layouts are
+// the model's own: q [B, T, N, H], k/v [B, T, K, H] (N = K * G query heads share k/v head
+// n / G), o [B, T, N, H], lse [B, N, T], all float32 and row-major. Work is split over
+// (batch, head) pairs on XLA's intra-op thread pool; each pair's products are small
+// row-major GEMMs with a register-blocked 6 x 16 kernel, softmax and its gradient fused
+// between them, so no [T, T] score map is written to memory and q, k, v need no transposes.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef int32_t i8v __attribute__((vector_size(32)));
+
+constexpr int kBlockQ = 64;  // query rows per block
+
+inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void store8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+
+// C[R, 16] (+)= A[R, K] B[K, 16] for R <= 6 rows.
+template <int R>
+inline void kernel_16(int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
+  v8 c0[R], c1[R];
+  for (int r = 0; r < R; ++r) {
+    if (acc) {
+      c0[r] = load8(C + r * ldc);
+      c1[r] = load8(C + r * ldc + 8);
+    } else {
+      c0[r] = splat(0.f);
+      c1[r] = splat(0.f);
+    }
+  }
+  for (int k = 0; k < K; ++k) {
+    const v8 b0 = load8(B + k * ldb), b1 = load8(B + k * ldb + 8);
+    for (int r = 0; r < R; ++r) {
+      const v8 a = splat(A[r * lda + k]);
+      c0[r] += a * b0;
+      c1[r] += a * b1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    store8(C + r * ldc, c0[r]);
+    store8(C + r * ldc + 8, c1[r]);
+  }
+}
+
+template <int R>
+inline void kernel_8(int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
+  v8 c0[R];
+  for (int r = 0; r < R; ++r) c0[r] = acc ? load8(C + r * ldc) : splat(0.f);
+  for (int k = 0; k < K; ++k) {
+    const v8 b0 = load8(B + k * ldb);
+    for (int r = 0; r < R; ++r) c0[r] += splat(A[r * lda + k]) * b0;
+  }
+  for (int r = 0; r < R; ++r) store8(C + r * ldc, c0[r]);
+}
+
+template <int R>
+void rows_block(int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
+  int j = 0;
+  for (; j + 16 <= N; j += 16) kernel_16<R>(K, A, lda, B + j, ldb, C + j, ldc, acc);
+  for (; j + 8 <= N; j += 8) kernel_8<R>(K, A, lda, B + j, ldb, C + j, ldc, acc);
+  for (; j < N; ++j) {
+    for (int r = 0; r < R; ++r) {
+      float s = acc ? C[r * ldc + j] : 0.f;
+      for (int k = 0; k < K; ++k) s += A[r * lda + k] * B[k * ldb + j];
+      C[r * ldc + j] = s;
+    }
+  }
+}
+
+// C[M, N] (+)= A[M, K] B[K, N], row-major with leading dimensions.
+void gemm(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
+  int i = 0;
+  for (; i + 6 <= M; i += 6) rows_block<6>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, acc);
+  const float* a = A + i * lda;
+  float* c = C + i * ldc;
+  switch (M - i) {
+    case 5: rows_block<5>(N, K, a, lda, B, ldb, c, ldc, acc); break;
+    case 4: rows_block<4>(N, K, a, lda, B, ldb, c, ldc, acc); break;
+    case 3: rows_block<3>(N, K, a, lda, B, ldb, c, ldc, acc); break;
+    case 2: rows_block<2>(N, K, a, lda, B, ldb, c, ldc, acc); break;
+    case 1: rows_block<1>(N, K, a, lda, B, ldb, c, ldc, acc); break;
+    default: break;
+  }
+}
+
+// dst[cols, rows] = src[rows, cols]^T (src leading dimension lds, dst leading dimension ldd).
+void transpose(int rows, int cols, const float* src, int lds, float* dst, int ldd) {
+  constexpr int kT = 8;
+  for (int i0 = 0; i0 < rows; i0 += kT)
+    for (int j0 = 0; j0 < cols; j0 += kT)
+      for (int i = i0; i < std::min(rows, i0 + kT); ++i)
+        for (int j = j0; j < std::min(cols, j0 + kT); ++j) dst[j * ldd + i] = src[i * lds + j];
+}
+
+// exp(x) for 8 lanes (Cephes-style: 2^n * poly(r), |rel. error| < 2e-7 on [-87, 88]).
+inline v8 exp8(v8 x) {
+  x = x < splat(88.3762626647949f) ? x : splat(88.3762626647949f);
+  x = x > splat(-87.3365447504f) ? x : splat(-87.3365447504f);
+  v8 fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  v8 fl = __builtin_convertvector(__builtin_convertvector(fx, i8v), v8);
+  fl = fl > fx ? fl - splat(1.f) : fl;  // floor
+  x = x - fl * splat(0.693359375f) - fl * splat(-2.12194440e-4f);
+  v8 y = splat(1.9875691500E-4f);
+  y = y * x + splat(1.3981999507E-3f);
+  y = y * x + splat(8.3334519073E-3f);
+  y = y * x + splat(4.1665795894E-2f);
+  y = y * x + splat(1.6666665459E-1f);
+  y = y * x + splat(5.0000001201E-1f);
+  y = y * x * x + x + splat(1.f);
+  i8v n = __builtin_convertvector(fl, i8v);
+  n = (n + 127) << 23;
+  v8 pow2;
+  std::memcpy(&pow2, &n, sizeof(pow2));
+  return y * pow2;
+}
+
+// p[0:n] = exp(p[0:n] * scale - sub); returns their sum.
+inline float exp_row(float* p, int n, float scale, float sub) {
+  v8 acc = splat(0.f);
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    v8 e = exp8(load8(p + j) * splat(scale) - splat(sub));
+    store8(p + j, e);
+    acc += e;
+  }
+  float s = acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
+  if (j < n) {
+    float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int t = j; t < n; ++t) tmp[t - j] = p[t];
+    v8 e = exp8(load8(tmp) * splat(scale) - splat(sub));
+    for (int t = j; t < n; ++t) {
+      p[t] = e[t - j];
+      s += e[t - j];
+    }
+  }
+  return s;
+}
+
+// Runs f(i) for i in [0, n) on the calling thread and XLA's intra-op pool. Tasks that start
+// after all items are claimed touch only the shared counters, so the caller never waits on
+// a task that has not started (no deadlock when every pool thread is inside such a call).
+template <typename F>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, const F& f) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto st = std::make_shared<State>();
+  auto run = [st, n](const F* fp) {
+    for (;;) {
+      const int64_t i = st->next.fetch_add(1);
+      if (i >= n) return;
+      (*fp)(i);
+      if (st->done.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lock(st->mu);
+        st->cv.notify_all();
+      }
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n) - 1;
+  const F* fp = &f;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([run, fp] { run(fp); });
+  run(fp);
+  std::unique_lock<std::mutex> lock(st->mu);
+  st->cv.wait(lock, [&] { return st->done.load() == n; });
+}
+
+struct Dims {
+  int64_t B, T, N, K, H, G;
+};
+
+ffi::Error dims_of(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k, Dims* d) {
+  auto qd = q.dimensions();
+  auto kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("attention: q and k must be [B, T, heads, H]");
+  *d = Dims{qd[0], qd[1], qd[2], kd[2], qd[3], 0};
+  if (kd[0] != d->B || kd[1] != d->T || kd[3] != d->H || d->K == 0 || d->N % d->K != 0)
+    return ffi::Error::InvalidArgument("attention: k/v shape does not match q");
+  d->G = d->N / d->K;
+  return ffi::Error::Success();
+}
+
+ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                   ffi::Buffer<ffi::F32> scale_buf, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> lse) {
+  Dims d;
+  if (auto err = dims_of(q, k, &d); err.failure()) return err;
+  const float scale = scale_buf.typed_data()[0];
+  const float* Q = q.typed_data();
+  const float* Kp = k.typed_data();
+  const float* V = v.typed_data();
+  float* O = o->typed_data();
+  float* LSE = lse->typed_data();
+  const int T = d.T, H = d.H;
+  const int ldq = d.N * H, ldk = d.K * H;
+  auto item = [&](int64_t idx) {
+    const int64_t b = idx / d.N, n = idx % d.N, kh = n / d.G;
+    std::vector<float> kt(static_cast<size_t>(H) * T), s(static_cast<size_t>(kBlockQ) * T);
+    const float* kb = Kp + (b * T * d.K + kh) * H;
+    transpose(T, H, kb, ldk, kt.data(), T);  // kt [H, T]
+    const float* qb = Q + (b * T * d.N + n) * H;
+    const float* vb = V + (b * T * d.K + kh) * H;
+    float* ob = O + (b * T * d.N + n) * H;
+    float* lb = LSE + (b * d.N + n) * T;
+    for (int r0 = 0; r0 < T; r0 += kBlockQ) {
+      const int rows = std::min(kBlockQ, T - r0), L = r0 + rows;
+      gemm(rows, L, H, qb + r0 * ldq, ldq, kt.data(), T, s.data(), L, false);
+      for (int r = 0; r < rows; ++r) {
+        float* sr = s.data() + r * L;
+        const int n_valid = r0 + r + 1;
+        float mx = sr[0];
+        for (int j = 1; j < n_valid; ++j) mx = std::max(mx, sr[j]);
+        mx *= scale;  // scale > 0
+        const float sum = exp_row(sr, n_valid, scale, mx);
+        const float inv = 1.f / sum;
+        for (int j = 0; j < n_valid; ++j) sr[j] *= inv;
+        std::fill(sr + n_valid, sr + L, 0.f);
+        lb[r0 + r] = mx + std::log(sum);
+      }
+      gemm(rows, H, L, s.data(), L, vb, ldk, ob + r0 * ldq, ldq, false);
+    }
+  };
+  parallel_for(pool, d.B * d.N, item);
+  return ffi::Error::Success();
+}
+
+ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                    ffi::Buffer<ffi::F32> scale_buf, ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> lse,
+                    ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                    ffi::ResultBuffer<ffi::F32> dv) {
+  Dims d;
+  if (auto err = dims_of(q, k, &d); err.failure()) return err;
+  const float scale = scale_buf.typed_data()[0];
+  const float *Q = q.typed_data(), *Kp = k.typed_data(), *V = v.typed_data();
+  const float *O = o.typed_data(), *LSE = lse.typed_data(), *DO = dout.typed_data();
+  float *DQ = dq->typed_data(), *DK = dk->typed_data(), *DV = dv->typed_data();
+  const int T = d.T, H = d.H;
+  const int ldq = d.N * H, ldk = d.K * H;
+  auto item = [&](int64_t idx) {
+    const int64_t b = idx / d.K, kh = idx % d.K;
+    const size_t TH = static_cast<size_t>(T) * H;
+    std::vector<float> kt(TH), vt(TH), p(static_cast<size_t>(kBlockQ) * T), dp(static_cast<size_t>(kBlockQ) * T),
+        t(static_cast<size_t>(kBlockQ) * T), delta(T), dkb(TH, 0.f), dvb(TH, 0.f);
+    const float* kb = Kp + (b * T * d.K + kh) * H;
+    const float* vb = V + (b * T * d.K + kh) * H;
+    transpose(T, H, kb, ldk, kt.data(), T);
+    transpose(T, H, vb, ldk, vt.data(), T);
+    for (int64_t g = 0; g < d.G; ++g) {
+      const int64_t n = kh * d.G + g;
+      const size_t off = (b * T * d.N + n) * H;
+      const float *qb = Q + off, *ob = O + off, *dob = DO + off, *lb = LSE + (b * d.N + n) * T;
+      float* dqb = DQ + off;
+      for (int i = 0; i < T; ++i) {
+        float s = 0.f;
+        for (int h = 0; h < H; ++h) s += dob[i * ldq + h] * ob[i * ldq + h];
+        delta[i] = s;
+      }
+      for (int r0 = 0; r0 < T; r0 += kBlockQ) {
+        const int rows = std::min(kBlockQ, T - r0), L = r0 + rows;
+        gemm(rows, L, H, qb + r0 * ldq, ldq, kt.data(), T, p.data(), L, false);  // scores
+        for (int r = 0; r < rows; ++r) {
+          float* pr = p.data() + r * L;
+          const int n_valid = r0 + r + 1;
+          exp_row(pr, n_valid, scale, lb[r0 + r]);
+          std::fill(pr + n_valid, pr + L, 0.f);
+        }
+        transpose(rows, L, p.data(), L, t.data(), rows);                                   // P^T [L, rows]
+        gemm(L, H, rows, t.data(), rows, dob + r0 * ldq, ldq, dvb.data(), H, true);      // dV += P^T dO
+        gemm(rows, L, H, dob + r0 * ldq, ldq, vt.data(), T, dp.data(), L, false);        // dP = dO V^T
+        for (int r = 0; r < rows; ++r) {
+          float *pr = p.data() + r * L, *dpr = dp.data() + r * L;
+          const float dl = delta[r0 + r];
+          for (int j = 0; j < L; ++j) dpr[j] = pr[j] * (dpr[j] - dl) * scale;  // dS (scaled)
+        }
+        gemm(rows, H, L, dp.data(), L, kb, ldk, dqb + r0 * ldq, ldq, false);             // dQ = dS K
+        transpose(rows, L, dp.data(), L, t.data(), rows);                                  // dS^T
+        gemm(L, H, rows, t.data(), rows, qb + r0 * ldq, ldq, dkb.data(), H, true);       // dK += dS^T Q
+      }
+    }
+    float* dkout = DK + (b * T * d.K + kh) * H;
+    float* dvout = DV + (b * T * d.K + kh) * H;
+    for (int i = 0; i < T; ++i) {
+      std::memcpy(dkout + i * ldk, dkb.data() + i * H, H * sizeof(float));
+      std::memcpy(dvout + i * ldk, dvb.data() + i * H, H * sizeof(float));
+    }
+  };
+  parallel_for(pool, d.B * d.K, item);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LmpCausalAttentionFwd, Forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LmpCausalAttentionBwd, Backward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
