@@ -28,12 +28,12 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from lm_pipeline.models import native_attention
 from lm_pipeline.models.blocked_attention import (
     ATTENTION_RESIDUALS,
     blocked_causal_attention,
     num_query_blocks,
 )
-from lm_pipeline.models import native_attention
 from lm_pipeline.models.native_attention import native_causal_attention
 
 F32 = jnp.float32
