@@ -35,8 +35,9 @@ axis size divides evenly, exactly as :meth:`MeshPlan.param_shardings` decides.
   difference is one layer's saved tensors (without checkpointing: norms, q/k/v, MLP
   intermediates, and the ``[B, N, T, T]`` attention scores/probabilities whenever the
   attention implementation materialises them, as ``jax.nn.dot_product_attention``'s XLA path
-  and the dropout softmax path do; the CPU's blocked causal attention saves only its output
-  and per-row log-sum-exp, :mod:`lm_pipeline.models.blocked_attention`); with checkpointing: the
+  and the dropout softmax path do; the CPU's causal attention, native or blocked, saves only
+  its output and per-row log-sum-exp, :mod:`lm_pipeline.models.native_attention`,
+  :mod:`lm_pipeline.models.blocked_attention`); with checkpointing: the
   block input ``[B, T, D]`` only); the rest (x 1) is what does not repeat per layer: the
   embeddings, final norm and the logits / cross-entropy residuals ``[B, T, V]``. (On the CPU
   the trainer computes the head and loss in chunks instead,

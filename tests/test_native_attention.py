@@ -146,3 +146,9 @@ def test_the_build_is_cached_per_source_and_written_atomically(monkeypatch, tmp_
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left
     mtime = path.stat().st_mtime_ns
     assert native_attention.build() == path and path.stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+def test_negative_scale_matches_too():
+    q, k, v, _ = _inputs(1, 40, 2, 2, 8)
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=-0.7)
+    np.testing.assert_allclose(native_causal_attention(q, k, v, -0.7), ref, atol=2e-6, rtol=1e-5)

@@ -228,9 +228,8 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
       for (int r = 0; r < rows; ++r) {
         float* sr = s.data() + r * L;
         const int n_valid = r0 + r + 1;
-        float mx = sr[0];
-        for (int j = 1; j < n_valid; ++j) mx = std::max(mx, sr[j]);
-        mx *= scale;  // scale > 0
+        float mx = sr[0] * scale;
+        for (int j = 1; j < n_valid; ++j) mx = std::max(mx, sr[j] * scale);
         const float sum = exp_row(sr, n_valid, scale, mx);
         const float inv = 1.f / sum;
         for (int j = 0; j < n_valid; ++j) sr[j] *= inv;
