@@ -44,7 +44,8 @@ axis size divides evenly, exactly as :meth:`MeshPlan.param_shardings` decides.
   :func:`~lm_pipeline.train.trainer.fused_head_loss_sums`, and never holds ``[B, T, V]``
   whole; XLA's planned peak of every ``bench/estimate_check.py`` row stayed within 0.01 GiB
   of the logits path's, because the peak lies in the layers, so the model keeps the logits
-  path's terms: 0.84-1.14 of XLA's plan in bf16, 0.92-1.07 in f32, after the change.) The
+  path's terms: 0.84-1.14 of XLA's plan in bf16, 0.92-1.07 in f32, after the change; 1.01-1.13
+  in f32 with the native CPU attention kernel.) The
   backward pass adds working buffers; two phases are modelled and the larger is the peak:
 
   - *loss/head backward*: all saved tensors + ``HEAD_GRAD_BUFFERS`` x ``[B, T, V]`` f32 (the
