@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_blocked_attention import _inputs, _value_and_grads  # same random q/k/v and cotangent weights
 
 from lm_pipeline.models import native_attention
 from lm_pipeline.models.blocked_attention import ATTENTION_RESIDUALS
@@ -22,18 +23,6 @@ from lm_pipeline.models.native_attention import NativeAttentionUnavailable, nati
 pytestmark = pytest.mark.skipif(
     not native_attention.available(), reason="native attention needs a C++ compiler (the XLA path is tested elsewhere)"
 )
-
-
-def _inputs(b, t, n, kh, h, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((b, t, n, h), np.float32)
-    k, v = rng.standard_normal((2, b, t, kh, h), np.float32)
-    w = rng.standard_normal((b, t, n, h), np.float32)  # cotangent weights
-    return map(jnp.asarray, (q, k, v, w))
-
-
-def _value_and_grads(fn, q, k, v, w):
-    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w), argnums=(0, 1, 2)))(q, k, v)
 
 
 @pytest.mark.parametrize(
@@ -113,9 +102,8 @@ def test_remat_policy_keeps_the_kernels_output_and_lse():
     assert set(ATTENTION_RESIDUALS) <= names
 
 
-def test_a_missing_compiler_falls_back_to_xla_with_a_warning(monkeypatch, tmp_path, caplog):
+def test_a_missing_compiler_falls_back_to_xla_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(native_attention, "_state", {})
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(native_attention, "_compiler", lambda: None)
     q, k, v, _ = _inputs(1, 32, 2, 2, 8)
     with caplog.at_level(logging.WARNING, logger="lm_pipeline.models.native_attention"):

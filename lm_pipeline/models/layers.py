@@ -34,7 +34,6 @@ from lm_pipeline.models.blocked_attention import (
     blocked_causal_attention,
     num_query_blocks,
 )
-from lm_pipeline.models.native_attention import native_causal_attention
 
 F32 = jnp.float32
 _log = logging.getLogger(__name__)
@@ -379,7 +378,7 @@ def attention(
     if dropout_rate > 0.0 and key is not None:
         out = softmax_attention(q, k, v, mask, scale=scale, dropout_rate=dropout_rate, key=key)
     elif mask is None and _use_native(q, k, v):
-        out = native_causal_attention(q, k, v, scale)
+        out = native_attention.native_causal_attention(q, k, v, scale)
     elif _use_blocked(q, k, mask, causal):
         out = blocked_causal_attention(q, k, v, mask, scale)
     elif mask is None and _use_cudnn(q, k, jax.default_backend()):

@@ -58,8 +58,9 @@ class NativeAttentionUnavailable(RuntimeError):
 
 def _compiler() -> str | None:
     for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        path = shutil.which(name) if name else None
+        if path:
+            return path
     return None
 
 

@@ -34,49 +34,29 @@ inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline void store8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
-// C[R, 16] (+)= A[R, K] B[K, 16] for R <= 6 rows.
-template <int R>
-inline void kernel_16(int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
-  v8 c0[R], c1[R];
-  for (int r = 0; r < R; ++r) {
-    if (acc) {
-      c0[r] = load8(C + r * ldc);
-      c1[r] = load8(C + r * ldc + 8);
-    } else {
-      c0[r] = splat(0.f);
-      c1[r] = splat(0.f);
-    }
-  }
+// C[R, 8 * V] (+)= A[R, K] B[K, 8 * V] for R <= 6 rows and V <= 2 vectors of 8 columns.
+template <int R, int V>
+inline void kernel(int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
+  v8 c[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < V; ++u) c[r][u] = acc ? load8(C + r * ldc + 8 * u) : splat(0.f);
   for (int k = 0; k < K; ++k) {
-    const v8 b0 = load8(B + k * ldb), b1 = load8(B + k * ldb + 8);
+    v8 b[V];
+    for (int u = 0; u < V; ++u) b[u] = load8(B + k * ldb + 8 * u);
     for (int r = 0; r < R; ++r) {
       const v8 a = splat(A[r * lda + k]);
-      c0[r] += a * b0;
-      c1[r] += a * b1;
+      for (int u = 0; u < V; ++u) c[r][u] += a * b[u];
     }
   }
-  for (int r = 0; r < R; ++r) {
-    store8(C + r * ldc, c0[r]);
-    store8(C + r * ldc + 8, c1[r]);
-  }
-}
-
-template <int R>
-inline void kernel_8(int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
-  v8 c0[R];
-  for (int r = 0; r < R; ++r) c0[r] = acc ? load8(C + r * ldc) : splat(0.f);
-  for (int k = 0; k < K; ++k) {
-    const v8 b0 = load8(B + k * ldb);
-    for (int r = 0; r < R; ++r) c0[r] += splat(A[r * lda + k]) * b0;
-  }
-  for (int r = 0; r < R; ++r) store8(C + r * ldc, c0[r]);
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < V; ++u) store8(C + r * ldc + 8 * u, c[r][u]);
 }
 
 template <int R>
 void rows_block(int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
   int j = 0;
-  for (; j + 16 <= N; j += 16) kernel_16<R>(K, A, lda, B + j, ldb, C + j, ldc, acc);
-  for (; j + 8 <= N; j += 8) kernel_8<R>(K, A, lda, B + j, ldb, C + j, ldc, acc);
+  for (; j + 16 <= N; j += 16) kernel<R, 2>(K, A, lda, B + j, ldb, C + j, ldc, acc);
+  for (; j + 8 <= N; j += 8) kernel<R, 1>(K, A, lda, B + j, ldb, C + j, ldc, acc);
   for (; j < N; ++j) {
     for (int r = 0; r < R; ++r) {
       float s = acc ? C[r * ldc + j] : 0.f;
@@ -309,26 +289,30 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
 
 }  // namespace
 
+using F32Buffer = ffi::Buffer<ffi::F32>;
+
+// q, k, v, scale [1] -> o, lse
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LmpCausalAttentionFwd, Forward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<F32Buffer>()
+                                  .Arg<F32Buffer>()
+                                  .Arg<F32Buffer>()
+                                  .Arg<F32Buffer>()
+                                  .Ret<F32Buffer>()
+                                  .Ret<F32Buffer>());
 
+// q, k, v, scale [1], o, lse, dO -> dq, dk, dv
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LmpCausalAttentionBwd, Backward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<F32Buffer>()
+                                  .Arg<F32Buffer>()
+                                  .Arg<F32Buffer>()
+                                  .Arg<F32Buffer>()
+                                  .Arg<F32Buffer>()
+                                  .Arg<F32Buffer>()
+                                  .Arg<F32Buffer>()
+                                  .Ret<F32Buffer>()
+                                  .Ret<F32Buffer>()
+                                  .Ret<F32Buffer>());
