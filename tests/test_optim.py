@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import equinox as eqx
 import jax
@@ -265,6 +266,47 @@ def test_adamw_decays_only_masked_leaves():
     assert np.array_equal(new.token_embedding, params.token_embedding)
     assert np.array_equal(new.norm_stacked, params.norm_stacked) and np.array_equal(new.bias, params.bias)
     assert float(current_lr(state)) == pytest.approx(0.1)
+
+
+# Levanter's rule, written out by name: the weight matrices of the attention and MLP projections
+# and an untied LM head decay; embeddings, norm scales and biases never do.
+DECAYED = re.compile(r"\.(q|k|v|o|up|gate|down)_proj$|^\.lm_head$")
+
+
+@pytest.mark.parametrize("model", [
+    {"model.type": "gpt2", "model.use_bias": True},
+    {"model.type": "llama", "model.tie_word_embeddings": False, "model.num_kv_heads": 1, "model.intermediate_dim": 24},
+], ids=["gpt2", "llama"])
+def test_real_train_step_with_zero_gradients_decays_exactly_the_matrices(model):
+    """The trainer's own step, on a batch that is all padding (no predicted token, so every
+    gradient is 0): AdamW's update is then only the decay, p <- p * (1 - lr * wd)."""
+    from lm_pipeline.batch import LmBatch
+    from lm_pipeline.config import load_config
+    from lm_pipeline.train.sharding import make_mesh
+    from lm_pipeline.train.trainer import build_step_functions, put_batch
+
+    lr, wd = 0.1, 0.5
+    c = load_config(None, {**model, "model.seq_len": 8, "model.hidden_dim": 16, "model.num_heads": 2,
+                           "model.num_layers": 2, "trainer.mp": "f32", "trainer.train_batch_size": 2,
+                           "optimizer.learning_rate": lr, "optimizer.weight_decay": wd, "optimizer.warmup": 0,
+                           "optimizer.lr_schedule": "constant"})
+    plan = make_mesh(c.trainer, jax.devices()[:1])
+    fns = build_step_functions(c.model, c.optimizer, c.trainer, vocab_size=32, num_train_steps=4, plan=plan,
+                               has_segments=True)
+    state = fns.init(jax.random.key_data(jax.random.key(0)))
+    before = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state.model)[0]}
+    tokens = np.arange(16, dtype=np.int32).reshape(2, 8)
+    state, metrics = fns.train_step(state, *put_batch(LmBatch(tokens, np.zeros_like(tokens)), plan))
+    assert float(metrics["optim/grad_norm"]) == 0.0
+    after = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state.model)[0]}
+    assert after.keys() == before.keys()
+    decayed = {name for name in before if DECAYED.search(name)}
+    kept = set(before) - decayed
+    assert len(decayed) >= 5 and any("embedding" in n for n in kept) and any("norm" in n or "ln" in n for n in kept)
+    for name in decayed:
+        np.testing.assert_allclose(after[name], before[name] * (1 - lr * wd), rtol=1e-6, err_msg=name)
+    for name in kept:
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
 
 
 def test_gradients_are_clipped_by_global_norm():

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -278,8 +279,16 @@ def test_wandb_offline_run_writes_its_files(tmp_path, wandb_offline):
     hparams = {"optimizer": {"learning_rate": 0.1}, "secrets": {"HF_TOKEN": FAKE_TOKEN}, "note": f"tok={FAKE_TOKEN}"}
 
     def records_for(offline_dir):
+        # finish() returns when wandb's service has the records; on a loaded machine the service
+        # may still be writing the file then, so read until the run record is there (bounded).
         (run_file,) = glob.glob(os.path.join(offline_dir, "run-*.wandb"))
-        return read_wandb_records(run_file), open(run_file, "rb").read()
+        for _ in range(600):
+            recs = read_wandb_records(run_file)
+            kinds = {r.WhichOneof("record_type") for r in recs}
+            if {"run", "history"} <= kinds:
+                break
+            time.sleep(0.1)
+        return recs, open(run_file, "rb").read()
 
     t = build_tracker((cfg,), run_id="run/one", run_dir=str(tmp_path / "run"), hparams=hparams, resume_step=None)
     for s in range(3):

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from lm_pipeline.batch import ArrayDataset, StepBatchSource
+from lm_pipeline.batch import ArrayDataset, LmBatch, StepBatchSource
 from lm_pipeline.config import load_config
 from lm_pipeline.train.checkpoint import latest_checkpoint, read_metadata
 from lm_pipeline.train.run import train
@@ -64,24 +64,51 @@ def test_train_learns_and_logs(tmp_path):
     assert read_metadata(last)["step"] == 80
 
 
-def _one_step_params(per_device: int):
+def _packed_batches(steps: int, rows: int, seq_len: int = 32, vocab: int = 64) -> list[LmBatch]:
+    """Random documents packed into rows with segment ids and trailing padding (id 0), so the
+    micro-batches of a step hold different numbers of predicted tokens."""
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(steps):
+        seg = np.zeros((rows, seq_len), np.int32)
+        for r in range(rows):
+            pos, doc = 0, 1
+            while pos < seq_len - rng.integers(0, 12):
+                n = int(rng.integers(2, 14))
+                seg[r, pos : pos + n] = doc
+                pos, doc = pos + n, doc + 1
+        out.append(LmBatch(rng.integers(0, vocab, (rows, seq_len)).astype(np.int32), seg[:, :seq_len]))
+    return out
+
+
+def _train_steps(per_device: int, batches: list[LmBatch]):
     cfg = load_config(None, {**TINY, "trainer.mp": "f32", "trainer.train_batch_size": 16,
-                             "trainer.per_device_parallelism": per_device})
+                             "trainer.per_device_parallelism": per_device, "optimizer.warmup": 0,
+                             "optimizer.weight_decay": 0.1})
     plan = make_mesh(cfg.trainer, jax.devices()[:1])
     fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=64, num_train_steps=10, plan=plan,
-                               has_segments=False)
-    src = StepBatchSource(ArrayDataset(periodic_tokens(64), 32), 16, seed=0)
+                               has_segments=True)
     state = fns.init(jax.random.key_data(jax.random.key(0)))
-    state, m = fns.train_step(state, *put_batch(src.batch(0), plan))
-    return [np.asarray(x, np.float64) for x in jax.tree.leaves(state.model)], float(m["train/loss"])
+    metrics = []
+    for b in batches:
+        state, m = fns.train_step(state, *put_batch(b, plan))
+        metrics.append({k: float(v) for k, v in m.items()})
+    return [np.asarray(x, np.float64) for x in jax.tree.leaves(state.model)], metrics
 
 
 def test_gradient_accumulation_matches_full_batch():
-    full, loss_full = _one_step_params(-1)
-    accum, loss_accum = _one_step_params(4)  # 16 = 4 micro-batches of 4
-    assert abs(loss_full - loss_accum) < 1e-5
+    """Four steps at a real learning rate: 4 micro-batches of 4 rows give the full batch's
+    loss, gradient norm and parameters (token-weighted over micro-batches of unequal counts)."""
+    batches = _packed_batches(4, 16)
+    full, m_full = _train_steps(-1, batches)
+    accum, m_accum = _train_steps(4, batches)
+    for a, b in zip(m_full, m_accum, strict=True):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
+        assert a["optim/grad_norm"] == pytest.approx(b["optim/grad_norm"], rel=1e-5)
+    init, _ = _train_steps(-1, [])
     for a, b in zip(full, accum, strict=True):  # relative to each tensor's norm
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a)
+    assert sum(np.linalg.norm(a - c) for a, c in zip(full, init, strict=True)) > 1e-2  # parameters moved
 
 
 def test_mesh_equivalence_on_8_simulated_devices():
