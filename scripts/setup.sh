@@ -20,6 +20,13 @@ if [ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && command -v apt
     || echo "setup: could not install libtcmalloc-minimal4; continuing without it" >&2
 fi
 
+# A C++ compiler builds the native CPU attention kernel at first use (XLA's attention without one);
+# the tests of that kernel need it, and fail under CI=true without it.
+if ! command -v c++ >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get install -y -q g++ >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q g++ >/dev/null 2>&1)) \
+    || echo "setup: could not install g++; CPU training keeps XLA's attention" >&2
+fi
+
 stamp=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ -x .venv/bin/python ] && [ "$(cat .venv/.lm_pipeline_stamp 2>/dev/null)" = "$stamp" ]; then
   exit 0

@@ -401,6 +401,7 @@ def test_every_config_field_is_classified():
     assert set(STAGE_OF.values()) <= set(STAGES) | {None}
 
 
+@pytest.mark.allow_skip_in_ci(reason="a config Choice family with one member has no other type to change to")
 @pytest.mark.parametrize("leaf", LEAVES, ids=lambda leaf: leaf.name)
 def test_field_changes_its_stage_and_everything_downstream_only(leaf, workdir):
     if leaf.name not in STAGE_OF:

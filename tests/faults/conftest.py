@@ -7,8 +7,14 @@
   fault points armed (:mod:`lm_pipeline.faultpoints`) and a trace of the points it passed.
 * The reliability record: every test carries ``@pytest.mark.reliability("<fault class>")`` and
   may ``note(what happened, what was lost)``; at the end of a session the results are written to
-  ``tests/faults/last_run.json`` (or ``$LM_PIPELINE_FAULTS_RESULTS``), which ``report.py`` turns
-  into the table of docs/reliability.md.
+  ``tests/faults/last_run.json``, which ``report.py`` turns into the tables of docs/reliability.md.
+  Only a run of the COMPLETE faults tier writes that committed record: every test file here
+  collected, ``-m faults`` exactly, no ``-k``, no deselection, no node-id subset, not stopped
+  early, every collected test reported. Any other run that ran faults-tier tests writes its record
+  (marked ``"complete": false``, which report.py refuses to render) to
+  ``$LM_PIPELINE_FAULTS_RESULTS`` if set, else to the ignored ``test-artifacts/faults/partial_run.json``,
+  and says in one line why the committed record was not updated. ``$LM_PIPELINE_FAULTS_RESULTS``
+  also redirects a complete run's record (then the committed one is left alone).
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ import pipeline_testing as pt  # noqa: E402
 from lm_pipeline import faultpoints  # noqa: E402
 
 STAGES = ("raw_shards", "tokenizer", "token_cache", "train_ckpt", "eval_report", "hf_export")
-RESULTS = Path(os.environ.get("LM_PIPELINE_FAULTS_RESULTS", HERE / "last_run.json"))
+RECORD = HERE / "last_run.json"  # committed: written only by a complete run of the faults tier
+PARTIAL_RECORD = REPO / "test-artifacts" / "faults" / "partial_run.json"  # git-ignored
+RESULTS_ENV = "LM_PIPELINE_FAULTS_RESULTS"
+_REPORTED: set[str] = set()  # node ids whose run finished (teardown reported) in this session
 
 
 # --------------------------------------------------------------------------- the record
@@ -44,6 +53,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "reliability(kind): the fault or input class a test belongs to (docs/reliability.md)")
     config._faults_rows = []  # type: ignore[attr-defined]
     config._faults_t0 = time.time()  # type: ignore[attr-defined]
+    config._faults_items = set()  # type: ignore[attr-defined]  # node ids here, after selection
+    config._faults_files = set()  # type: ignore[attr-defined]  # the test files they came from
+    config._faults_deselected = 0  # type: ignore[attr-defined]  # items here deselected (-k, -m, --deselect, --lf)
+    _REPORTED.clear()
+    config._faults_message = None  # type: ignore[attr-defined]
     if _faults_tier(config):  # the whole tier: the fuzzers run longer
         os.environ.setdefault("LM_PIPELINE_FUZZ_EXAMPLES", "500")
 
@@ -53,6 +67,10 @@ def _faults_tier(config) -> bool:
     return "faults" in expr and "not" not in expr[: expr.index("faults")][-1:]
 
 
+def _here(path) -> bool:
+    return Path(str(path)).resolve().is_relative_to(HERE)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The unmarked tests here are the fast subset of the default run; the faults tier
@@ -60,9 +78,27 @@ def pytest_collection_modifyitems(config, items):
     if not _faults_tier(config):
         return
     for item in items:
-        if Path(str(item.fspath)).resolve().is_relative_to(HERE) and item.get_closest_marker("faults") is None:
+        if _here(item.fspath) and item.get_closest_marker("faults") is None:
             item.add_marker(pytest.mark.faults)
             item.user_properties.append(("fast_subset", True))
+
+
+def pytest_deselected(items):
+    for item in items:
+        if _here(item.fspath):
+            item.config._faults_deselected += 1
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        if _here(item.fspath):
+            session.config._faults_items.add(item.nodeid)
+            session.config._faults_files.add(Path(str(item.fspath)).resolve())
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":  # the last phase: the test's run finished (whatever its outcome)
+        _REPORTED.add(report.nodeid)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -84,14 +120,74 @@ def pytest_runtest_makereport(item, call):
         item.config._faults_rows.append(row)
 
 
+def partial_reasons(config, exitstatus) -> list[str]:
+    """Why this session is not a run of the complete faults tier (empty: it is one)."""
+    why = []
+    markexpr = " ".join((config.getoption("markexpr", "") or "").split())
+    if markexpr != "faults":
+        why.append(f"marker expression {markexpr!r} is not exactly 'faults'")
+    if config.getoption("keyword", "") or "":
+        why.append(f"-k {config.getoption('keyword')!r}")
+    for arg in config.args:
+        path, sep, _ = str(arg).partition("::")
+        if sep and _here(Path(config.invocation_params.dir, path)):
+            why.append(f"node-id selection {arg!r}")
+    files = {p.resolve() for p in HERE.rglob("test_*.py")} | {p.resolve() for p in HERE.rglob("*_test.py")}
+    missing = sorted(str(p.relative_to(HERE)) for p in files - config._faults_files)
+    if missing:
+        why.append(f"not collected: {', '.join(missing)}")
+    if config._faults_deselected:
+        why.append(f"{config._faults_deselected} test(s) in tests/faults deselected")
+    if int(exitstatus) == int(pytest.ExitCode.INTERRUPTED):
+        why.append("the session was interrupted")
+    unreported = config._faults_items - _REPORTED
+    if unreported:
+        why.append(f"{len(unreported)} of {len(config._faults_items)} collected test(s) never ran to the end "
+                   "(-x / --maxfail stop, or a crash)")
+    return why
+
+
+def _show(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def pytest_sessionfinish(session, exitstatus):
-    rows = getattr(session.config, "_faults_rows", [])
-    if not any(r["faults_tier"] for r in rows):  # only a run of the faults tier rewrites the record
+    config = session.config
+    rows = getattr(config, "_faults_rows", [])
+    if not any(r["faults_tier"] for r in rows):  # no faults-tier test ran: no record of any kind
         return
-    markexpr = session.config.getoption("markexpr", "") or ""
-    RESULTS.write_text(json.dumps({
-        "markexpr": markexpr, "seconds": round(time.time() - session.config._faults_t0, 1),
-        "exitstatus": int(exitstatus), "rows": rows}, indent=1) + "\n")
+    why = partial_reasons(config, exitstatus)
+    record = {"markexpr": config.getoption("markexpr", "") or "",
+              "seconds": round(time.time() - config._faults_t0, 1), "exitstatus": int(exitstatus),
+              "complete": not why}
+    if why:
+        record["partial"] = "; ".join(why)
+    record["rows"] = rows
+    explicit = os.environ.get(RESULTS_ENV)
+    target = Path(explicit) if explicit else (PARTIAL_RECORD if why else RECORD)
+    if why and target.resolve() == RECORD.resolve():  # never, not even when asked to
+        target = PARTIAL_RECORD
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(record, indent=1) + "\n")
+    if why:
+        msg = (f"faults record: {_show(RECORD)} NOT updated: not a complete faults-tier run ({record['partial']}); "
+               f"this run's partial record is {_show(target)}")
+    elif target.resolve() != RECORD.resolve():
+        msg = f"faults record: complete faults-tier run written to {_show(target)} (${RESULTS_ENV}); {_show(RECORD)} left alone"
+    else:
+        msg = f"faults record: {_show(RECORD)} updated from the complete faults tier ({len(rows)} recorded tests)"
+    config._faults_message = msg
+    if config.pluginmanager.get_plugin("terminalreporter") is None:
+        print(msg, file=sys.stderr)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    msg = getattr(config, "_faults_message", None)
+    if msg:
+        terminalreporter.write_line(msg)
 
 
 @pytest.fixture

@@ -4,6 +4,9 @@ docs/reliability.md (between its GENERATED markers).
     .venv/bin/python -m pytest -m faults -o addopts="-ra --strict-markers" tests/faults   # writes the record
     .venv/bin/python tests/faults/report.py                                                  # rewrites the tables
     .venv/bin/python tests/faults/report.py --check   # exit 1 if the doc's tables differ from the record
+
+``--record PATH`` reads another record instead. A record marked partial (``"complete": false``,
+written by a run that was not the whole faults tier) is refused: exit 2, and the doc is not touched.
 """
 
 from __future__ import annotations
@@ -73,7 +76,18 @@ def render(record: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    record = json.loads(RECORD.read_text())
+    path = RECORD
+    if "--record" in argv:
+        i = argv.index("--record")
+        if i + 1 >= len(argv):
+            print("report.py: --record needs a path", file=sys.stderr)
+            return 2
+        path = Path(argv[i + 1])
+    record = json.loads(path.read_text())
+    if record.get("complete") is False or record.get("partial"):
+        print(f"report.py: refusing {path}: a partial run's record ({record.get('partial') or 'marked incomplete'}); "
+              f"only a complete faults-tier run renders docs/reliability.md", file=sys.stderr)
+        return 2
     doc = DOC.read_text()
     head, rest = doc.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
@@ -84,7 +98,7 @@ def main(argv: list[str]) -> int:
             return 1
         return 0
     DOC.write_text(new)
-    print(f"wrote {DOC} from {RECORD} ({len(record['rows'])} cases)")
+    print(f"wrote {DOC} from {path} ({len(record['rows'])} cases)")
     return 0
 
 

@@ -3,7 +3,8 @@
 Materializes a tiny pipeline into a fresh persistent instance, starts ``dagster dev`` on a loopback
 port against it, and drives Chromium through Selenium with the system chromedriver (Selenium
 Manager is never asked to download anything). Screenshots go to ``test-artifacts/ui/``.
-Install the browser with ``scripts/install_browser.sh`` (``.ci/run`` does it before this tier).
+Install the browser with ``scripts/install_browser.sh`` (``.ci/run`` does it before this tier, and
+fails when it cannot); without it these tests skip, except under CI=true, where they fail.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ NUM_EDGES = 7
 
 
 def _need_browser() -> None:
+    """Skip without the system browser; under CI=true that skip is a failure (tests/conftest.py)."""
     missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed: run scripts/install_browser.sh "
