@@ -13,9 +13,20 @@ Expected failures (``xfail``) are not skips and are left alone. Outside CI nothi
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
+
+# One persistent XLA compilation cache for the session and the processes it starts: many tests
+# build the same tiny train step again (a resumed run, a one-process reference, a CLI re-run), and
+# a cache hit skips its compile. Compiled programs are keyed by JAX on their HLO, options, backend
+# and versions, so a hit is the same program; a fresh directory per session keeps runs apart.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lm_pipeline_test_xla_cache_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 ALLOW = "allow_skip_in_ci"
 
