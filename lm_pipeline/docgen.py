@@ -60,7 +60,7 @@ def _section(cls: type, prefix: str, lines: list[str], parent_semantic: bool = T
         semantic = parent_semantic and f.metadata.get("semantic", True)
         nested = _nested(tp)
         if f.name == "type" and issubclass(cls, Choice):
-            rows.append(f"| `type` | `{_default(f).strip('`')}` | selects this family member | yes |")
+            rows.append(f"| `type` | `{_default(f).strip('`')}` | selects this family member | {'yes' if semantic else 'no'} |")
             continue
         if nested and get_origin(tp) is not dict:
             children.append((f, nested, semantic))

@@ -98,7 +98,9 @@ LN2 = math.log(2.0)
 class EvalConfig:
     """Offline evaluation of checkpoints (``lm-pipeline eval``)."""
 
-    batch_size: int = field(8, help="Rows per eval batch.", semantic=False)
+    batch_size: int = field(
+        8, help="Rows per eval batch (with max_eval_batches it decides how many rows are evaluated).", semantic=True
+    )
     max_eval_batches: int | None = field(None, help="Evaluate at most this many batches per validation set (the first rows, in order); null = all rows.")
     compute_dtype: str | None = field(None, help="Dtype of the forward pass ('float32', 'bfloat16', ...); null = the run's compute dtype (trainer.mp).")
     unigram_baseline: bool = field(True, help="Report a unigram baseline (add-one smoothed token frequencies of the training cache) beside the model.")

@@ -97,7 +97,7 @@ STAGE_OF: dict[str, str | None] = {
     **_each("train_ckpt", "optimizer.", "learning_rate weight_decay beta1 beta2 epsilon max_grad_norm "
             "lr_schedule min_lr_ratio warmup decay rewarmup cycles cycle_length skip_bad_steps "
             "skip_grad_norm_factor skip_warmup_steps skip_ema_decay"),
-    **_each("eval_report", "eval.", "max_eval_batches compute_dtype unigram_baseline"),
+    **_each("eval_report", "eval.", "batch_size max_eval_batches compute_dtype unigram_baseline"),
     **_each("hf_export", "export.", "max_shard_size dtype"),
     # no artifact: worker counts, recomputation, cadence, layout, paths, resumption, trackers
     **_each(None, "data.", "cache_dir num_workers shard_group_size"),
@@ -114,9 +114,7 @@ STAGE_OF: dict[str, str | None] = {
     "trainer.tracker[tensorboard].type": None, "trainer.tracker[tensorboard].logdir": None,
     **_each(None, "trainer.tracker[wandb].", "type project entity tags id name group resume mode save_code"),
     "trainer.tracker[noop].type": None,
-    # eval.batch_size: with eval.max_eval_batches set it decides how many rows are evaluated (and
-    # it is the report's `batches` column), so it arguably belongs to eval_report; see the report.
-    **_each(None, "eval.", "batch_size report_dir"),
+    "eval.report_dir": None,
     **_each(None, "export.", "hf_save_steps hf_save_path hf_upload hf_upload_private"),
     "store.root": None,
 }
