@@ -132,7 +132,7 @@ def train(
     files.update(extra_checkpoint_files or {})
     hparams = to_dict(cfg)
     tracker = build_tracker(tc.tracker, run_id=run_id, run_dir=run_dir, hparams=hparams,
-                            resume_step=start + 1 if resume_path else None)
+                            resume_step=start + 1 if resume_path else None, primary=jax.process_index() == 0)
     flops_per_token = cfg.model.flops_per_token(vocab_size)
     peak = device_peak_flops()
     lr_at = cfg.optimizer.lr_scheduler(num_steps)
