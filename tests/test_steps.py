@@ -80,7 +80,7 @@ EXPECTED_SEMANTIC = {
         "skip_warmup_steps", "skip_ema_decay")},
     "store.root": False,
     # evaluation (eval_report) and export (hf_export) settings
-    "eval.batch_size": False, "eval.max_eval_batches": True, "eval.compute_dtype": True,
+    "eval.batch_size": True, "eval.max_eval_batches": True, "eval.compute_dtype": True,
     "eval.unigram_baseline": True, "eval.report_dir": False,
     "export.hf_save_steps": False, "export.hf_save_path": False, "export.hf_upload": False,
     "export.hf_upload_private": False, "export.max_shard_size": True, "export.dtype": True,
@@ -209,10 +209,12 @@ def test_eval_and_export_settings_change_only_their_stage(tiny):
     base = _pipe(path)
     ev = _pipe(path, eval_config=EvalConfig(max_eval_batches=3))
     ex = _pipe(path, export_config=ExportConfig(dtype="bfloat16"))
-    bs = _pipe(path, eval_config=EvalConfig(batch_size=2), export_config=ExportConfig(hf_save_steps=5))
+    bs = _pipe(path, eval_config=EvalConfig(batch_size=2))  # with max_eval_batches it picks the rows
+    saves = _pipe(path, export_config=ExportConfig(hf_save_steps=5))
     assert _changed(_addresses(base), _addresses(ev)) == {"eval_report"}
     assert _changed(_addresses(base), _addresses(ex)) == {"hf_export"}
-    assert _changed(_addresses(base), _addresses(bs)) == set()
+    assert _changed(_addresses(base), _addresses(bs)) == {"eval_report"}
+    assert _changed(_addresses(base), _addresses(saves)) == set()
     assert _changed(base.config_versions(), ev.config_versions()) == {"eval_report"}
     assert _changed(base.config_versions(), ex.config_versions()) == {"hf_export"}
 
