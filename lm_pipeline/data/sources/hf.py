@@ -1,0 +1,155 @@
+"""Hugging Face datasets as sources: load a dataset once per process, identify it, read its rows.
+
+A dataset is a hub / builder dataset (``datasets.load_dataset``, optionally streamed) or a
+directory written by ``datasets.Dataset.save_to_disk``. Its identity (what a shard fingerprint
+covers): a ``save_to_disk`` directory hashes its Arrow files; a non-streamed hub / builder dataset
+uses the dataset's own fingerprint; a streamed one the resolved hub commit (pin ``hf_revision`` to a
+commit sha to avoid a hub query), or the hash of its local ``data_files``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lm_pipeline.data.sources.readers import ReaderSettings
+from lm_pipeline.data.sources.streams import is_local, local_path, sha256_of
+from lm_pipeline.data.validation import RawRecord
+from lm_pipeline.schema import ConfigError
+
+__all__ = ["HFSpec", "content_identity", "is_disk_dataset", "iter_hf", "load_hf"]
+
+
+@dataclass(frozen=True)
+class HFSpec:
+    """Which Hugging Face dataset rows a shard covers."""
+
+    path: str
+    loader: Literal["hub", "disk"]
+    name: str | None = None
+    split: str | None = None
+    revision: str | None = None
+    data_files: tuple[str, ...] = ()
+    streaming: bool = False
+    start: int = 0
+    stop: int = 0
+    index: int = 0
+    num_shards: int = 1
+
+    def dataset_key(self) -> tuple:
+        """What identifies the loaded dataset (not the row range): the key of the per-process cache."""
+        return (self.path, self.loader, self.name, self.split, self.revision, self.data_files, self.streaming)
+
+
+# Loading is slow: a process loads each dataset once and every shard of it reads from that.
+_HF_CACHE: dict[tuple, Any] = {}
+
+
+def _datasets():
+    try:
+        import datasets
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "Hugging Face dataset sources need the `datasets` package: pip install 'lm-pipeline[hf]'"
+        ) from e
+    return datasets
+
+
+def is_disk_dataset(path: str) -> bool:
+    """Whether the directory ``path`` was written by ``save_to_disk`` (a dataset or a dataset dict)."""
+    return os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(
+        os.path.join(path, "dataset_dict.json")
+    )
+
+
+def load_hf(spec: HFSpec) -> Any:
+    """The ``datasets`` dataset (or iterable dataset, when streamed) ``spec`` reads from."""
+    key = spec.dataset_key()
+    ds = _HF_CACHE.get(key)
+    if ds is not None:
+        return ds
+    datasets = _datasets()
+    if spec.loader == "disk":
+        ds = datasets.load_from_disk(spec.path)
+        if isinstance(ds, datasets.DatasetDict):
+            if spec.split not in ds:
+                raise ConfigError(
+                    "data.hf_split", f"{spec.path} has splits {', '.join(ds)}; no split {spec.split!r}"
+                )
+            ds = ds[spec.split]
+    else:
+        ds = datasets.load_dataset(
+            spec.path,
+            spec.name,
+            split=spec.split,
+            revision=spec.revision,
+            data_files=list(spec.data_files) or None,
+            streaming=spec.streaming,
+        )
+    _HF_CACHE[key] = ds
+    return ds
+
+
+def content_identity(spec: HFSpec, ds: Any) -> str:
+    """What identifies the content of the dataset ``ds`` loaded for ``spec`` (see the module doc)."""
+    if spec.streaming:
+        return _hub_commit(spec)
+    if spec.loader == "disk":
+        return _disk_fingerprint(spec.path)
+    return ds._fingerprint  # `datasets` exposes its content hash only under this name
+
+
+def _disk_fingerprint(path: str) -> str:
+    """sha256 over the Arrow files of a ``save_to_disk`` dataset (its stored fingerprint is random)."""
+    sha = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".arrow"):
+            sha.update(name.encode() + b"\0" + sha256_of(os.path.join(path, name)).encode())
+    return sha.hexdigest()
+
+
+def _hub_commit(spec: HFSpec) -> str:
+    if spec.revision and re.fullmatch(r"[0-9a-f]{40}", spec.revision):
+        return spec.revision
+    if spec.data_files:  # a builder ('json', 'parquet', ...) over files: hash local ones
+        out = []
+        for f in spec.data_files:
+            out.append(sha256_of(f) if is_local(f) and os.path.isfile(local_path(f)) else f)
+        return hashlib.sha256("\n".join(out).encode()).hexdigest()
+    try:
+        from huggingface_hub import HfApi
+
+        return HfApi().dataset_info(spec.path, revision=spec.revision).sha
+    except Exception as e:  # offline, private, ...
+        raise ConfigError(
+            "data.hf_revision",
+            f"cannot resolve the hub commit of {spec.path!r} ({type(e).__name__}: {e}); pin hf_revision to a commit sha",
+        ) from e
+
+
+def iter_hf(spec: HFSpec, s: ReaderSettings) -> Iterator[RawRecord]:
+    """The records of the rows ``spec`` covers (its row range, or its shard of a streamed dataset)."""
+    ds = load_hf(spec)
+    key = s.text_key
+    if spec.streaming:
+        shard = ds.shard(num_shards=spec.num_shards, index=spec.index) if spec.num_shards > 1 else ds
+        for row, rec in enumerate(shard):
+            if key in rec:
+                yield RawRecord(f"row {row}", "", "", True, rec[key])
+            else:
+                yield RawRecord(f"row {row}", "", "", False, None, tuple(rec))
+        return
+    names = tuple(ds.column_names)
+    if key not in names:
+        for row in range(spec.start, spec.stop):
+            yield RawRecord(f"row {row}", "", "", False, None, names)
+        return
+    col = ds.select_columns([key])
+    for lo in range(spec.start, spec.stop, 1024):
+        values = col[lo : min(lo + 1024, spec.stop)][key]
+        for k, v in enumerate(values):
+            yield RawRecord(f"row {lo + k}", "", "", True, v)

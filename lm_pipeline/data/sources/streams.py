@@ -1,0 +1,115 @@
+"""Byte streams of shard files: open a local path or fsspec URL, decompress, hash while reading.
+
+Local paths (and ``file://``) are opened directly; other URLs (``memory://``, ``gs://``, ``s3://``
+...) through fsspec. Compression is gzip or zstd. Hashes are sha256 of the raw (still
+compressed) bytes, hex-encoded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import io
+import os
+from typing import IO
+
+__all__ = [
+    "CORRUPT_STREAM_ERRORS",
+    "HashingReader",
+    "decompress",
+    "is_local",
+    "local_path",
+    "open_raw",
+    "sha256_of",
+]
+
+BLOCK = 1 << 20  # bytes per read while hashing
+
+
+def is_local(url: str) -> bool:
+    """Whether ``url`` is a local path (plain or ``file://``) rather than an fsspec URL."""
+    return "://" not in url or url.startswith("file://")
+
+
+def local_path(url: str) -> str:
+    """The filesystem path of a local ``url`` (``file://`` stripped, ``~`` expanded)."""
+    return os.path.expanduser(url[len("file://") :] if url.startswith("file://") else url)
+
+
+def open_raw(url: str) -> IO[bytes]:
+    """The raw (still compressed) bytes of ``url``, as a binary file object."""
+    if is_local(url):
+        return open(local_path(url), "rb")
+    import fsspec
+
+    return fsspec.open(url, "rb").open()
+
+
+class HashingReader(io.RawIOBase):
+    """Pass-through reader that hashes every byte it hands out (sha256)."""
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.sha = hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self.raw.read(len(b))
+        n = len(data)
+        b[:n] = data
+        self.sha.update(data)
+        return n
+
+    def drain(self) -> str:
+        """Hash the bytes not read yet; return the hex digest of the whole stream."""
+        while True:
+            data = self.raw.read(BLOCK)
+            if not data:
+                return self.sha.hexdigest()
+            self.sha.update(data)
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+def decompress(stream, compression: str | None):
+    """A buffered reader of ``stream``'s decompressed bytes (``compression``: gzip, zstd or None)."""
+    if compression == "gzip":
+        return gzip.GzipFile(fileobj=stream, mode="rb")
+    if compression == "zstd":
+        import zstandard
+
+        return io.BufferedReader(
+            zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True, closefd=False)
+        )
+    return io.BufferedReader(stream) if isinstance(stream, io.RawIOBase) else stream
+
+
+def _corrupt_stream_errors() -> tuple[type[BaseException], ...]:
+    import zlib
+
+    errors: list[type[BaseException]] = [EOFError, zlib.error, gzip.BadGzipFile]
+    with contextlib.suppress(ImportError):
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    return tuple(errors)
+
+
+#: What a truncated or corrupt compressed stream raises while being read.
+CORRUPT_STREAM_ERRORS = _corrupt_stream_errors()
+
+
+def sha256_of(url: str) -> str:
+    """Hex sha256 of the raw bytes at ``url``."""
+    sha = hashlib.sha256()
+    with open_raw(url) as f:
+        while True:
+            data = f.read(BLOCK)
+            if not data:
+                return sha.hexdigest()
+            sha.update(data)
