@@ -1,13 +1,13 @@
-"""Atomic file writes on local paths and fsspec URLs.
-
-A reader never sees a half-written file: either the old content (or nothing) or the new one.
+"""Atomic writes on local paths and fsspec URLs: a reader sees the old content (or nothing) or
+the new content, never a half-written file.
 
 * Local paths (and ``file://`` URLs): write a hidden temporary file next to the target (same
   filesystem), flush and fsync it, then ``os.replace`` it onto the target and fsync the directory.
 * Object stores (``gs://``, ``s3://``, ``memory://``, ...): the content is buffered and uploaded
   with a single object PUT; object stores make an object visible only once the upload completed.
 
-All helpers create missing parent directories. Only the standard library and fsspec are used.
+All writers create missing parent directories. Non-atomic operations (reads, listings,
+removal, copies) are in :mod:`lm_pipeline.fs`.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
-import fsspec
-
+from lm_pipeline import fs
 from lm_pipeline.faultpoints import faultpoint
 
-PathLike = str | os.PathLike
+# Path helpers live in lm_pipeline.fs; re-exported here for callers not yet moved to it.
+from lm_pipeline.fs import PathLike, get_fs, is_local, join, local_path
 
 __all__ = [
     "PathLike",
@@ -35,49 +35,13 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "get_fs",
-    "remove_stale_temps",
-    "temp_sibling",
     "is_local",
     "join",
     "local_path",
+    "remove_stale_temps",
+    "replace_dir",
+    "temp_sibling",
 ]
-
-
-def _as_str(path: PathLike) -> str:
-    return os.fspath(path)
-
-
-def is_local(path: PathLike) -> bool:
-    """True for plain filesystem paths and ``file://`` URLs."""
-    text = _as_str(path)
-    return "://" not in text or text.startswith("file://")
-
-
-def local_path(path: PathLike) -> str:
-    """The absolute filesystem path of a local path or ``file://`` URL."""
-    text = _as_str(path)
-    if text.startswith("file://"):
-        text = text[len("file://") :]
-    return os.path.abspath(os.path.expanduser(text))
-
-
-def get_fs(path: PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem for ``path`` and the path in that filesystem's terms."""
-    if is_local(path):
-        return fsspec.filesystem("file"), local_path(path)
-    fs, inner = fsspec.core.url_to_fs(_as_str(path))
-    return fs, inner
-
-
-def join(base: PathLike, *parts: str) -> str:
-    """Join path components; URLs always use ``/``."""
-    text = _as_str(base)
-    if is_local(text):
-        return os.path.join(local_path(text), *parts)
-    out = text.rstrip("/")
-    for part in parts:
-        out = f"{out}/{part.strip('/')}"
-    return out
 
 
 def _fsync_dir(directory: str) -> None:
@@ -99,9 +63,13 @@ def temp_sibling(target: str) -> str:
     return os.path.join(os.path.dirname(target) or ".", f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:12]}")
 
 
-def remove_stale_temps(target: str) -> None:
+def remove_stale_temps(target: PathLike) -> None:
     """Remove :func:`temp_sibling` leftovers of ``target`` (files or directories) that writers
-    killed mid-write left behind. Call it only while no other writer of ``target`` runs."""
+    killed mid-write left behind. Call it only while no other writer of ``target`` runs.
+    Nothing to do on object stores (their writes leave no temporary objects)."""
+    if not is_local(target):
+        return
+    target = local_path(target)
     pattern = os.path.join(glob.escape(os.path.dirname(target) or "."), f".{glob.escape(os.path.basename(target))}.tmp-*")
     for stale in glob.glob(pattern):
         if os.path.isdir(stale) and not os.path.islink(stale):
@@ -143,14 +111,14 @@ def atomic_write_bytes(path: PathLike, data: bytes, *, fault: str | None = None)
     if is_local(path):
         _local_write(local_path(path), data, fault)
         return
-    fs, inner = get_fs(path)
+    store, inner = get_fs(path)
     parent = inner.rsplit("/", 1)[0] if "/" in inner else ""
     if parent:
         with contextlib.suppress(Exception):  # object stores have no real directories
-            fs.makedirs(parent, exist_ok=True)
+            store.makedirs(parent, exist_ok=True)
     if fault:
         faultpoint(fault)
-    fs.pipe_file(inner, data)
+    store.pipe_file(inner, data)
 
 
 def atomic_write_text(path: PathLike, text: str, encoding: str = "utf-8", *, fault: str | None = None) -> None:
@@ -176,26 +144,57 @@ def atomic_open(path: PathLike, mode: str = "wb", encoding: str | None = None) -
         raise ValueError(f"atomic_open supports modes 'w' and 'wb', got {mode!r}")
     text = mode == "w"
     enc = encoding or "utf-8"
-    if is_local(path):
-        target = local_path(path)
-        directory = os.path.dirname(target) or "."
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:12]}")
-        f = open(tmp, "x" if text else "xb", **({"encoding": enc} if text else {}))  # noqa: SIM115
-        try:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-            os.replace(tmp, target)
-        except BaseException:
-            f.close()
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(directory)
+    if not is_local(path):  # buffered, then one PUT
+        buf: IO[Any] = io.StringIO() if text else io.BytesIO()
+        yield buf
+        data = buf.getvalue()
+        atomic_write_bytes(path, data.encode(enc) if text else data)
         return
-    buf: IO[Any] = io.StringIO() if text else io.BytesIO()
-    yield buf
-    data = buf.getvalue()
-    atomic_write_bytes(path, data.encode(enc) if text else data)
+    target = local_path(path)
+    directory = os.path.dirname(target) or "."
+    os.makedirs(directory, exist_ok=True)
+    tmp = temp_sibling(target)
+    f = open(tmp, "x" if text else "xb", **({"encoding": enc} if text else {}))  # noqa: SIM115
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, target)
+    except BaseException:
+        f.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+@contextlib.contextmanager
+def replace_dir(target: PathLike, *, clear: Callable[[str], None] = fs.rmtree) -> Iterator[str]:
+    """Build a directory at the yielded path; when the block exits normally it replaces ``target``.
+
+    Local: the yielded path is a temporary sibling that is renamed onto ``target`` (the previous
+    ``target`` renamed away, then deleted), so readers see the old directory or the new one, and
+    leftovers of a killed writer are removed first. Object stores have no directory renames:
+    ``target`` is emptied with ``clear`` and the block writes in place; the caller marks it
+    complete last (e.g. a marker file) so a partial directory is recognisable.
+    """
+    if not is_local(target):
+        clear(os.fspath(target))
+        yield os.fspath(target)
+        return
+    final = local_path(target)
+    remove_stale_temps(final)
+    tmp = temp_sibling(final)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = temp_sibling(final)
+    if os.path.lexists(final):
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final) or ".")
+    fs.rmtree(old)

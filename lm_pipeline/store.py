@@ -12,32 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import logging
-import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import fsspec
-
+from lm_pipeline import fs
 from lm_pipeline.atomic import atomic_write_text, remove_stale_temps
 from lm_pipeline.faultpoints import faultpoint
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-
-
-def _is_local(url: str) -> bool:
-    return "://" not in url or url.startswith("file://")
-
-
-def _local(url: str) -> str:
-    return url[len("file://") :] if url.startswith("file://") else url
 
 
 class StorageError(RuntimeError):
@@ -103,7 +91,6 @@ class ArtifactStore:
 
     def __init__(self, root: str):
         self.root = root.rstrip("/")
-        self.fs, _ = fsspec.core.url_to_fs(self.root)
 
     def artifact(self, stage: str, fp: str) -> Artifact:
         for part in (stage, fp):
@@ -115,10 +102,10 @@ class ArtifactStore:
         """The manifest of a complete artifact, or None."""
         art = self.artifact(stage, fp)
         try:
-            with self.fs.open(art.manifest_path, "r") as f:
-                manifest = json.load(f)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+            text = fs.read_text(art.manifest_path)
+            if text is None:
+                return None
+            manifest = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             log.warning("%s: unreadable manifest (%s); treating the artifact as incomplete", art.manifest_path, e)
             return None
@@ -136,14 +123,8 @@ class ArtifactStore:
 
     def complete(self, stage: str) -> list[dict[str, Any]]:
         """Manifests of all complete artifacts of a stage, oldest first."""
-        base = f"{self.root}/{stage}"
-        try:
-            entries = self.fs.ls(base, detail=False)
-        except FileNotFoundError:
-            return []
         out = []
-        for entry in entries:
-            fp = entry.rstrip("/").rsplit("/", 1)[-1]
+        for fp, _is_dir in fs.listdir(f"{self.root}/{stage}"):
             if fp.startswith("."):  # locks and fan-out scratch space
                 continue
             m = self.manifest(stage, fp)
@@ -162,31 +143,16 @@ class ArtifactStore:
         text = json.dumps(manifest, indent=2, sort_keys=True, default=str)
         faultpoint(f"{art.stage}.before_manifest")  # the payload is written, the marker not yet
         atomic_write_text(art.manifest_path, text, fault=f"{art.stage}.manifest_tmp_written")
-        if _is_local(art.path):  # temporary manifests of writers that were killed mid-write
-            remove_stale_temps(os.path.join(_local(art.path), MANIFEST))
+        remove_stale_temps(art.manifest_path)  # temporary manifests of writers killed mid-write
         return manifest
 
     @contextlib.contextmanager
     def lock(self, art: Artifact, timeout: float | None = None) -> Iterator[None]:
-        """Exclusive lock for building ``art`` (local roots; a no-op elsewhere)."""
-        if not _is_local(art.path):
+        """Exclusive lock for building ``art`` (local roots; a no-op on object stores); ``timeout``
+        in seconds, None waits forever."""
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(fs.exclusive_lock(f"{self.root}/{art.stage}/.{art.fingerprint}.lock", timeout))
+            except TimeoutError:
+                raise TimeoutError(f"another process is building {art.path}") from None
             yield
-            return
-        d = _local(f"{self.root}/{art.stage}")
-        os.makedirs(d, exist_ok=True)
-        fd = os.open(os.path.join(d, f".{art.fingerprint}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        t0 = time.monotonic()
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if timeout is not None and time.monotonic() - t0 > timeout:
-                        raise TimeoutError(f"another process is building {art.path}") from None
-                    time.sleep(0.1)
-            yield
-        finally:
-            with contextlib.suppress(OSError):
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)

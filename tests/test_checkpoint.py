@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from lm_pipeline import atomic
+from lm_pipeline.fs import copy_tree
 from lm_pipeline.schema import ConfigError, from_dict
-from lm_pipeline.train import checkpoint as ckpt
 from lm_pipeline.train.checkpoint import (
     Checkpointer,
     CheckpointerConfig,
@@ -30,6 +30,7 @@ from lm_pipeline.train.checkpoint import (
     parse_duration,
     read_metadata,
 )
+from lm_pipeline.train.checkpoint.marker import delete_checkpoint, read_marker
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -87,7 +88,7 @@ def steps_in(base) -> dict[int, str | None]:
     out = {}
     for name in os.listdir(base):
         if name.startswith("step-"):
-            marker = ckpt._read_marker(os.path.join(base, name))
+            marker = read_marker(os.path.join(base, name))
             out[int(name[5:])] = None if marker is None else marker["kind"]
     return out
 
@@ -233,9 +234,9 @@ def test_discovery_and_cleanup_on_fsspec_urls():
         assert latest_checkpoint(f"{root}/b/c/step-9") is None
         with pytest.raises(IncompleteCheckpointError):
             read_metadata(f"{root}/b/c/step-9")
-        ckpt._copy_tree(f"{root}/b/c/step-7", f"{root}/best", exclude=("checkpoint.json",))
+        copy_tree(f"{root}/b/c/step-7", f"{root}/best", exclude=("checkpoint.json",))
         assert fs.cat_file(f"{inner}/best/state/x") == b"data" and not fs.exists(f"{inner}/best/checkpoint.json")
-        ckpt._delete_checkpoint(f"{root}/b/c/step-7")
+        delete_checkpoint(f"{root}/b/c/step-7")
         assert latest_checkpoint(root) == f"{root}/a/step-3"
     finally:
         atomic.get_fs(root)[0].rm(atomic.get_fs(root)[1], recursive=True)

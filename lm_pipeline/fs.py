@@ -1,0 +1,305 @@
+"""One filesystem interface for local paths and fsspec URLs (``gs://``, ``s3://``, ``memory://``, ...).
+
+Callers pass any path or URL and never branch on where it lives; the one place that does is
+here. Plain paths and ``file://`` URLs go through :mod:`os` (hard links, ``scandir``, ``flock``),
+everything else through fsspec. Writes that readers must never see half-done are in
+:mod:`lm_pipeline.atomic`, which builds on this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import IO
+
+import fsspec
+
+PathLike = str | os.PathLike
+
+__all__ = [
+    "AppendFile",
+    "PathLike",
+    "as_local",
+    "basename",
+    "copy_tree",
+    "exclusive_lock",
+    "exists",
+    "get_fs",
+    "is_local",
+    "join",
+    "listdir",
+    "local_path",
+    "makedirs",
+    "norm",
+    "put",
+    "read_bytes",
+    "read_text",
+    "remove",
+    "rmtree",
+]
+
+_MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+
+
+def is_local(path: PathLike) -> bool:
+    """True for plain filesystem paths and ``file://`` URLs."""
+    text = os.fspath(path)
+    return "://" not in text or text.startswith("file://")
+
+
+def local_path(path: PathLike) -> str:
+    """The absolute filesystem path of a local path or ``file://`` URL."""
+    text = os.fspath(path)
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    return os.path.abspath(os.path.expanduser(text))
+
+
+def as_local(path: PathLike) -> str | None:
+    """The absolute filesystem path of ``path`` if it is local, else None (for tools that only
+    write local files)."""
+    return local_path(path) if is_local(path) else None
+
+
+def norm(path: PathLike) -> str:
+    """A canonical spelling: the absolute path of a local path, a URL without trailing ``/``."""
+    return local_path(path) if is_local(path) else os.fspath(path).rstrip("/")
+
+
+def get_fs(path: PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem for ``path`` and the path in that filesystem's terms."""
+    if is_local(path):
+        return fsspec.filesystem("file"), local_path(path)
+    return fsspec.core.url_to_fs(os.fspath(path))
+
+
+def join(base: PathLike, *parts: str) -> str:
+    """Join path components; URLs always use ``/``."""
+    text = os.fspath(base)
+    if is_local(text):
+        return os.path.join(local_path(text), *parts)
+    out = text.rstrip("/")
+    for part in parts:
+        out = f"{out}/{part.strip('/')}"
+    return out
+
+
+def basename(path: PathLike) -> str:
+    """The last component of a path or URL (a trailing ``/`` ignored on URLs)."""
+    text = os.fspath(path)
+    return os.path.basename(text) if is_local(text) else text.rstrip("/").rsplit("/", 1)[-1]
+
+
+def exists(path: PathLike) -> bool:
+    if is_local(path):
+        return os.path.exists(local_path(path))
+    fs, inner = get_fs(path)
+    return fs.exists(inner)
+
+
+def read_bytes(path: PathLike) -> bytes | None:
+    """The content of a file, or None if it does not exist (or is a directory)."""
+    try:
+        if is_local(path):
+            with open(local_path(path), "rb") as f:
+                return f.read()
+        fs, inner = get_fs(path)
+        return fs.cat_file(inner)
+    except _MISSING:
+        return None
+
+
+def read_text(path: PathLike, encoding: str = "utf-8") -> str | None:
+    """The decoded content of a file, or None if it does not exist. Raises UnicodeDecodeError."""
+    data = read_bytes(path)
+    return None if data is None else data.decode(encoding)
+
+
+def listdir(path: PathLike) -> list[tuple[str, bool]]:
+    """(name, is_dir) of the children of ``path``; empty if it does not exist."""
+    if is_local(path):
+        try:
+            with os.scandir(local_path(path)) as it:
+                return [(e.name, e.is_dir()) for e in it]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+    fs, inner = get_fs(path)
+    try:
+        fs.invalidate_cache(inner)  # another process may have written since the last listing
+        entries = fs.ls(inner, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for e in entries:
+        name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+        if name and e["name"].rstrip("/") != inner.rstrip("/"):
+            out.append((name, e.get("type") == "directory"))
+    return out
+
+
+def makedirs(path: PathLike) -> None:
+    """Create a directory and its parents (no error if it exists)."""
+    if is_local(path):
+        os.makedirs(local_path(path), exist_ok=True)
+        return
+    fs, inner = get_fs(path)
+    fs.makedirs(inner, exist_ok=True)
+
+
+def remove(path: PathLike) -> None:
+    """Delete one file; nothing if it does not exist."""
+    if is_local(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(local_path(path))
+        return
+    fs, inner = get_fs(path)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(inner)
+
+
+def rmtree(path: PathLike) -> None:
+    """Delete a file or a whole directory (a symlink itself, not its target); nothing if absent."""
+    if is_local(path):
+        target = local_path(path)
+        if os.path.islink(target) or os.path.isfile(target):
+            os.unlink(target)
+        elif os.path.isdir(target):
+            shutil.rmtree(target)
+        return
+    fs, inner = get_fs(path)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(inner, recursive=True)
+
+
+def copy_tree(src: PathLike, dst: PathLike, *, exclude: tuple[str, ...] = ()) -> None:
+    """Copy directory ``src`` into ``dst``, skipping the top-level names in ``exclude``.
+
+    Local to local: hard links where the filesystem allows (no data copied), else copies.
+    Otherwise server-side copies within one store."""
+    if is_local(src) and is_local(dst):
+        _link_tree(local_path(src), local_path(dst), exclude)
+        return
+    fs, src_inner = get_fs(src)
+    _, dst_inner = get_fs(dst)
+    for name, is_dir in listdir(src):
+        if name not in exclude:
+            fs.copy(f"{src_inner}/{name}", f"{dst_inner}/{name}", recursive=is_dir)
+
+
+def _link_tree(src: str, dst: str, exclude: tuple[str, ...]) -> None:
+    os.makedirs(dst, exist_ok=True)
+    for root, dirs, files in os.walk(src):
+        rel = os.path.relpath(root, src)
+        target_root = dst if rel == "." else os.path.join(dst, rel)
+        os.makedirs(target_root, exist_ok=True)
+        for d in dirs:
+            os.makedirs(os.path.join(target_root, d), exist_ok=True)
+        for name in files:
+            if rel == "." and name in exclude:
+                continue
+            s, t = os.path.join(root, name), os.path.join(target_root, name)
+            try:
+                os.link(s, t)
+            except OSError:  # another filesystem, or one without hard links
+                shutil.copy2(s, t)
+
+
+def put(source: PathLike, target: PathLike) -> None:
+    """Copy a local file or directory ``source`` to ``target`` (a local path or URL)."""
+    source = os.fspath(source)
+    if is_local(target):
+        dest = local_path(target)
+        if os.path.isdir(source):
+            shutil.copytree(source, dest, dirs_exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            shutil.copy2(source, dest)
+        return
+    fs, inner = get_fs(target)
+    fs.put(source, inner, recursive=os.path.isdir(source))
+
+
+class AppendFile:
+    """A text file opened for appending, at a local path or a URL.
+
+    Local: the file itself, opened in append mode. Object stores cannot append: lines go to a
+    local staging copy (starting from the object's current content) that :meth:`publish`
+    uploads whole. :meth:`close` publishes a last time.
+    """
+
+    def __init__(self, path: PathLike, encoding: str = "utf-8"):
+        self.path = norm(path)
+        self._staging_dir: str | None = None
+        if is_local(self.path):
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            local = self.path
+        else:
+            self._staging_dir = tempfile.mkdtemp(prefix="lm-pipeline-append-")
+            local = os.path.join(self._staging_dir, basename(self.path))
+            with open(local, "w", encoding=encoding) as f:
+                f.write(read_text(self.path, encoding) or "")
+        self._file: IO[str] = open(local, "a", encoding=encoding)  # noqa: SIM115 - closed in close()
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+    def write(self, text: str) -> None:
+        """Append ``text`` and flush it to the operating system."""
+        self._file.write(text)
+        self._file.flush()
+
+    def publish(self) -> None:
+        """Make what was written visible at the URL (one upload); nothing to do for local files."""
+        if self._staging_dir is None:
+            return
+        self._file.flush()
+        fs, inner = get_fs(self.path)
+        fs.put_file(self._file.name, inner)
+
+    def close(self) -> None:
+        """Flush to disk, publish, close; idempotent."""
+        if self._file.closed:
+            return
+        self._file.flush()
+        with contextlib.suppress(OSError):
+            os.fsync(self._file.fileno())
+        self.publish()
+        self._file.close()
+        if self._staging_dir is not None:
+            shutil.rmtree(self._staging_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: PathLike, timeout: float | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on the lock file ``path`` for the block (timeout in seconds).
+
+    Local: ``fcntl.flock``, which the kernel releases if the process dies. Object stores have
+    no locks: a no-op there. Raises TimeoutError if another process holds it past ``timeout``.
+    """
+    if not is_local(path):
+        yield
+        return
+    target = local_path(path)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd = os.open(target, os.O_RDWR | os.O_CREAT, 0o644)
+    t0 = time.monotonic()
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if timeout is not None and time.monotonic() - t0 > timeout:
+                    raise TimeoutError(f"{target} is locked by another process") from None
+                time.sleep(0.1)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

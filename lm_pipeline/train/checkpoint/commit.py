@@ -1,0 +1,107 @@
+"""Multi-process commit of a checkpoint: the marker is written only after every process wrote its part.
+
+Every process writes its own array shards (Orbax). Process 0 then waits until each other
+process has reported its part written (or failed) through the ``jax.distributed`` key-value
+store, completes the checkpoint (marker, ``best/``, pruning) and publishes a verdict; the other
+processes wait for that verdict, so after ``wait()`` every process sees the same checkpoints.
+With one process there is nothing to exchange.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+
+__all__ = ["TIMEOUT_S", "MultiProcessCommit", "log_on_primary"]
+
+T = TypeVar("T")
+
+TIMEOUT_S = 3600  # how long a process waits for the others' parts or for the verdict (seconds)
+
+
+def log_on_primary(logger: logging.Logger, msg: str, *args: Any) -> None:
+    """Log at INFO on process 0 and at DEBUG elsewhere (one line per event, not one per process)."""
+    logger.log(logging.INFO if jax.process_index() == 0 else logging.DEBUG, msg, *args)
+
+
+def _kv_client() -> Any:
+    """The jax.distributed coordination client (key-value store), as Orbax also uses it."""
+    # No public JAX API exposes the coordination client (jax.distributed exports only
+    # initialize/is_initialized/shutdown); Orbax reads the same private attribute.
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("multi-process checkpointing needs jax.distributed.initialize()")
+    return client
+
+
+def _status(error: BaseException | None) -> str:
+    return "ok" if error is None else f"error: {type(error).__name__}: {error}"[:2000]
+
+
+class MultiProcessCommit:
+    """The commit protocol of one :class:`~.checkpointer.Checkpointer` (one per process).
+
+    ``sync_key`` names one save, identically on every process; ``path`` is only for messages.
+    """
+
+    def __init__(self) -> None:
+        self._published: str | None = None  # the previous save's verdict key, deleted at the next
+
+    def follow(self, sync_key: str, path: str, local_error: BaseException | None) -> None:
+        """On a process other than 0: report this process's part, then wait for process 0's verdict.
+
+        Raises this process's own error, or RuntimeError if process 0 did not complete the save."""
+        client = _kv_client()
+        client.key_value_set(f"{sync_key}_written_{jax.process_index()}", _status(local_error))
+        status = client.blocking_key_value_get(f"{sync_key}_status", TIMEOUT_S * 1000)
+        if local_error is not None:
+            raise local_error
+        if status != "ok":
+            raise RuntimeError(f"checkpoint {path} was not completed by process 0: {status}")
+
+    def lead(self, sync_key: str, path: str, local_error: BaseException | None, complete: Callable[[], T]) -> T:
+        """On process 0: once every process's part is written, run ``complete`` (marker, cleanup)
+        and publish the verdict (ok or the error) to the other processes. Returns what
+        ``complete`` returns; raises the first error (this process's, another's, or ``complete``'s)."""
+        nproc = jax.process_count()
+        status = "error: unknown"
+        try:
+            if local_error is not None:
+                raise local_error
+            if nproc > 1:
+                self._await_parts(sync_key, path, nproc)
+            result = complete()
+            status = "ok"
+            return result
+        except BaseException as e:
+            status = _status(e)
+            raise
+        finally:
+            if nproc > 1:
+                self._publish(f"{sync_key}_status", status)
+
+    @staticmethod
+    def _await_parts(sync_key: str, path: str, nproc: int) -> None:
+        """Barrier: every other process has reported its part; raises if one failed."""
+        client = _kv_client()
+        failed = []
+        for other in range(1, nproc):
+            key = f"{sync_key}_written_{other}"
+            got = client.blocking_key_value_get(key, TIMEOUT_S * 1000)
+            client.key_value_delete(key)
+            if got != "ok":
+                failed.append(f"process {other}: {got}")
+        if failed:
+            raise RuntimeError(f"checkpoint {path}: {'; '.join(failed[:5])}")
+
+    def _publish(self, key: str, status: str) -> None:
+        client = _kv_client()
+        client.key_value_set(key, status)
+        if self._published:  # every process has read it (they all passed save() since)
+            client.key_value_delete(self._published)
+        self._published = key
