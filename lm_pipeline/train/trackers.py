@@ -49,16 +49,16 @@ import json
 import logging
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from lm_pipeline.atomic import atomic_write_text, get_fs, is_local, join, local_path
+from lm_pipeline import fs
+from lm_pipeline.atomic import atomic_write_text
+from lm_pipeline.fs import join
 from lm_pipeline.schema import Choice, ConfigError, field
 
 log = logging.getLogger(__name__)
@@ -227,20 +227,6 @@ class NoopTracker(Tracker):
         pass
 
 
-def _read_text(path: str) -> str | None:
-    """The content of a local path or fsspec URL, or None if it does not exist."""
-    fs, inner = get_fs(path)
-    if not fs.exists(inner):
-        return None
-    return fs.cat_file(inner).decode("utf-8")
-
-
-def _remove(path: str) -> None:
-    fs, inner = get_fs(path)
-    if fs.exists(inner):
-        fs.rm(inner)
-
-
 def _parse_metrics(text: str) -> list[dict[str, Any]]:
     out = []
     for line in text.splitlines():
@@ -258,7 +244,7 @@ def _parse_metrics(text: str) -> list[dict[str, Any]]:
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """The records of a JSONL metrics log (local path or fsspec URL; a torn line is ignored)."""
-    text = _read_text(path)
+    text = fs.read_text(path)
     return _parse_metrics(text) if text is not None else []
 
 
@@ -278,35 +264,22 @@ class JsonlTracker(Tracker):
         summary_path: str | None = None,
         upload_interval_s: float = 60.0,
     ):
-        self.path = local_path(path) if is_local(path) else path
+        self.path = fs.norm(path)
         self.summary_path = summary_path or self.path + ".summary.json"
         self.upload_interval_s = upload_interval_s
         keep_before = resume_step or 0
-        existing = _read_text(self.path)
+        existing = fs.read_text(self.path)
         kept = ""
         if existing is not None:
             kept = "".join(json.dumps(r) + "\n" for r in _parse_metrics(existing) if r["step"] < keep_before)
             atomic_write_text(self.path, kept)
         if not resume_step:
-            _remove(self.summary_path)
-        self._staging_dir: str | None = None
-        if is_local(self.path):
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            local = self.path
-        else:
-            self._staging_dir = tempfile.mkdtemp(prefix="lm-pipeline-metrics-")
-            local = os.path.join(self._staging_dir, METRICS_FILE)
-            with open(local, "w", encoding="utf-8") as f:
-                f.write(kept)
-        self._file = open(local, "a", encoding="utf-8")  # noqa: SIM115 - closed in finish()
+            fs.remove(self.summary_path)
+        self._file = fs.AppendFile(self.path)  # continues from ``kept``; closed in finish()
         self._last_upload = time.monotonic()
 
     def _upload(self) -> None:
-        if self._staging_dir is None:
-            return
-        self._file.flush()
-        fs, inner = get_fs(self.path)
-        fs.put_file(self._file.name, inner)
+        self._file.publish()
         self._last_upload = time.monotonic()
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
@@ -314,13 +287,12 @@ class JsonlTracker(Tracker):
             raise ValueError("'step' is reserved in the metrics log; pass it as the step argument")
         record = {"step": int(step), **_clean_metrics(metrics)}
         self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._staging_dir is not None and time.monotonic() - self._last_upload >= self.upload_interval_s:
+        if time.monotonic() - self._last_upload >= self.upload_interval_s:
             self._upload()
 
     def log_summary(self, metrics: Mapping[str, Any]) -> None:
         summary: dict[str, Any] = {}
-        text = _read_text(self.summary_path)
+        text = fs.read_text(self.summary_path)
         if text:
             with contextlib.suppress(json.JSONDecodeError):
                 summary = json.loads(text)
@@ -329,15 +301,7 @@ class JsonlTracker(Tracker):
         self._upload()
 
     def finish(self) -> None:
-        if self._file.closed:
-            return
-        self._file.flush()
-        with contextlib.suppress(OSError):
-            os.fsync(self._file.fileno())
-        self._upload()
         self._file.close()
-        if self._staging_dir is not None:
-            shutil.rmtree(self._staging_dir, ignore_errors=True)
 
 
 class TensorboardTracker(Tracker):
@@ -346,10 +310,10 @@ class TensorboardTracker(Tracker):
     def __init__(self, logdir: str, *, resume_step: int | None, hparams: Mapping[str, Any]):
         from tensorboardX import SummaryWriter
 
-        self.logdir = logdir
-        if is_local(logdir):  # tensorboardX writes s3:// and gs:// itself
-            self.logdir = logdir = local_path(logdir)
-            os.makedirs(logdir, exist_ok=True)
+        local = fs.as_local(logdir)
+        if local:  # tensorboardX writes s3:// and gs:// itself (not through fsspec)
+            os.makedirs(local, exist_ok=True)
+        self.logdir = logdir = local or logdir
         # A unique suffix: event files are named by the second they were opened in, and a
         # restart within that second would otherwise overwrite the previous file.
         self.writer = SummaryWriter(
@@ -398,7 +362,7 @@ class WandbTracker(Tracker):
         except ImportError as e:  # pragma: no cover - wandb is a declared optional dependency
             raise ImportError("the wandb tracker needs wandb: pip install 'lm-pipeline[wandb]'") from e
         # wandb writes local files; with a remote run_dir they go to $WANDB_DIR or ./wandb.
-        wandb_dir = os.environ.get("WANDB_DIR") or (local_path(run_dir) if is_local(run_dir) else None)
+        wandb_dir = os.environ.get("WANDB_DIR") or fs.as_local(run_dir)
         if wandb_dir:
             os.makedirs(wandb_dir, exist_ok=True)
         self.run = wandb.init(
@@ -484,8 +448,7 @@ class JsonlTrackerConfig(TrackerConfig):
     path: str | None = field(None, help="Another file for the same JSONL log; null = only <run_dir>/metrics.jsonl.", semantic=False)
 
     def build(self, *, run_id: str, run_dir: str, hparams: Mapping[str, Any], resume_step: int | None) -> Tracker:
-        norm = lambda p: local_path(p) if is_local(p) else p  # noqa: E731
-        if self.path is None or norm(self.path) == norm(join(run_dir, METRICS_FILE)):
+        if self.path is None or fs.norm(self.path) == fs.norm(join(run_dir, METRICS_FILE)):
             return NoopTracker()  # the always-on log
         return JsonlTracker(self.path, resume_step=resume_step)
 
