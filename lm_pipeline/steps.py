@@ -158,45 +158,12 @@ def complete_checkpoints(run_dir: str) -> list[dict[str, Any]]:
 def merge_cache_parts(out_dir: str, parts: Sequence[tuple[Sequence[Any], str]], tokenizer_dir: str) -> dict[str, Any]:
     """Write the token cache of all parts' shards at ``out_dir`` from per-group part caches.
 
-    ``parts``: ``(shards of the group, part cache dir)`` in shard order; each part is a complete
-    cache of exactly its shards built with the same tokenizer. The result is byte-for-byte the
-    cache :func:`~lm_pipeline.data.cache.build_cache` writes for the concatenated shards (the
-    same ledger, arrays and completion marker), without tokenizing again. Idempotent.
-
-    Uses the cache module's internals (its writer); see the report to the data-path owner for the
-    public function this stands in for.
+    ``parts``: ``(shards of the group, part cache dir)`` in shard order. See
+    :func:`lm_pipeline.data.cache.merge_cache_parts`.
     """
-    import numpy as np
+    from lm_pipeline.data.cache import merge_cache_parts as merge
 
-    from lm_pipeline.data import cache as C
-
-    shards = [s for group, _ in parts for s in group]
-    root = C._Root(out_dir)
-    info = C.tokenizer_info(tokenizer_dir)
-    plan = C._plan(shards)
-    with root.build_lock():
-        ledger = root.read_json(C.LEDGER)
-        if (ledger is not None and C._incompatibility(ledger, info, plan) is None and ledger.get("complete")
-                and root.exists(C.COMPLETE)):
-            return ledger
-        C._clear(root)
-        arrays = {name: C._create_array(root, name) for name in C.ARRAYS}
-        arrays["doc_offsets"] = C._resized(arrays["doc_offsets"], 1)
-        arrays["doc_offsets"][0:1].write(np.zeros(1, np.int64)).result()
-        ledger = C._new_ledger(info, plan)
-        root.write_atomic(C.LEDGER, C._dumps(ledger))
-        committer = C._Committer(root, ledger, arrays)
-        for group, part_dir in parts:
-            part = C.open_cache(part_dir, tokenizer_dir=tokenizer_dir, shards=list(group))
-            offsets, doc_bytes = part.doc_offsets, part.doc_bytes
-            for rec, shard in zip(part.shards, group, strict=True):
-                d0, n, t0, m = rec["doc_start"], rec["docs"], rec["token_start"], rec["tokens"]
-                tokens = part.read_tokens(t0, t0 + m) if m else np.zeros(0, C.TOKEN_DTYPE)
-                lengths = np.diff(offsets[d0 : d0 + n + 1]).astype(np.int64)
-                committer.append(shard, C.EncodedShard(tokens, lengths, np.asarray(doc_bytes[d0 : d0 + n], np.int64)))
-            committer.commit()
-        C._finalize(root, ledger, arrays)
-    return ledger
+    return merge(out_dir, parts, tokenizer_dir)
 
 
 def _tokenizer_files(tok_dir: str) -> dict[str, Path]:

@@ -232,7 +232,8 @@ def _layout_dir(strategy: str, seq_len: int) -> str:
 
 def build_packing(cache: TokenCache, seq_len: int, strategy: str) -> PackedLayout:
     """Derive the layout from a complete cache and store it under ``<cache>/packing/``."""
-    from lm_pipeline.data.cache import PACKING_DIR, CacheIncompleteError, _dumps
+    from lm_pipeline.data.cache import PACKING_DIR, CacheIncompleteError
+    from lm_pipeline.data.cache.storage import dumps_json
 
     _check(strategy, seq_len)
     if not cache.complete:
@@ -257,7 +258,7 @@ def build_packing(cache: TokenCache, seq_len: int, strategy: str) -> PackedLayou
     root = cache.root()
     # Concurrent builders (several hosts) write identical bytes; each file is replaced atomically.
     root.write_atomic(f"{PACKING_DIR}/{d}/layout.npz", blob)
-    root.write_atomic(f"{PACKING_DIR}/{d}/layout.json", _dumps(meta))  # last: marks completion
+    root.write_atomic(f"{PACKING_DIR}/{d}/layout.json", dumps_json(meta))  # last: marks completion
     return layout
 
 

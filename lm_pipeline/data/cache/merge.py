@@ -1,0 +1,60 @@
+"""Merging part caches: the cache of all parts' shards, written from caches of groups of them.
+
+A pipeline may tokenize groups of shards as separate steps (each its own complete cache) and then
+join them; the joined cache is byte-for-byte the one :func:`~lm_pipeline.data.cache.build_cache`
+writes for the concatenated shards, without tokenizing again.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from lm_pipeline.data.cache.ledger import incompatibility, shard_plan
+from lm_pipeline.data.cache.reader import open_cache
+from lm_pipeline.data.cache.storage import COMPLETE, LEDGER, CacheRoot
+from lm_pipeline.data.cache.writer import Committer, finalize_cache, start_cache
+from lm_pipeline.data.encode import TOKEN_DTYPE, EncodedShard, Shard, tokenizer_info
+
+__all__ = ["merge_cache_parts"]
+
+
+def merge_cache_parts(
+    out_dir: str | os.PathLike,
+    parts: Sequence[tuple[Sequence[Shard], str | os.PathLike]],
+    tokenizer_dir: str | os.PathLike,
+) -> dict[str, Any]:
+    """Write the token cache of all parts' shards at ``out_dir``; return its ledger.
+
+    ``parts``: ``(shards of the group, part cache dir)`` in shard order; each part must be a
+    complete cache of exactly its shards built with the tokenizer at ``tokenizer_dir`` (else
+    :func:`open_cache` raises). Each part's shards are committed as one group. Idempotent: a
+    complete cache of the same inputs at ``out_dir`` is returned untouched; anything else there
+    is replaced.
+    """
+    tokenizer_dir = os.fspath(tokenizer_dir)
+    shards = [s for group, _ in parts for s in group]
+    root = CacheRoot(out_dir)
+    info = tokenizer_info(tokenizer_dir)
+    plan = shard_plan(shards)
+    with root.build_lock():
+        ledger = root.read_json(LEDGER)
+        if (ledger is not None and incompatibility(ledger, info, plan) is None and ledger.get("complete")
+                and root.exists(COMPLETE)):
+            return ledger
+        ledger, arrays = start_cache(root, info, plan)
+        committer = Committer(root, ledger, arrays)
+        for group, part_dir in parts:
+            part = open_cache(part_dir, tokenizer_dir=tokenizer_dir, shards=list(group))
+            offsets, doc_bytes = part.doc_offsets, part.doc_bytes
+            for rec, shard in zip(part.shards, group, strict=True):
+                d0, n, t0, m = rec["doc_start"], rec["docs"], rec["token_start"], rec["tokens"]
+                tokens = part.read_tokens(t0, t0 + m) if m else np.zeros(0, TOKEN_DTYPE)
+                lengths = np.diff(offsets[d0 : d0 + n + 1]).astype(np.int64)
+                committer.append(shard, EncodedShard(tokens, lengths, np.asarray(doc_bytes[d0 : d0 + n], np.int64)))
+            committer.commit()
+        finalize_cache(root, ledger, arrays)
+    return ledger

@@ -1,0 +1,139 @@
+"""Writing a token cache: start an empty one, append shards past the committed counts, commit
+groups of them by replacing the ledger, finalize (exact shapes, then the ``COMPLETE`` marker).
+
+The tokenizing builder (:mod:`lm_pipeline.data.cache.build`) and the merge of part caches
+(:mod:`lm_pipeline.data.cache.merge`) both write through here, so their outputs are the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from lm_pipeline.data.cache.errors import CacheError
+from lm_pipeline.data.cache.ledger import FORMAT, FORMAT_VERSION, new_ledger
+from lm_pipeline.data.cache.storage import (
+    ARRAYS,
+    COMPLETE,
+    KNOWN_ENTRIES,
+    LEDGER,
+    PACKING_DIR,
+    CacheRoot,
+    create_array,
+    dumps_json,
+    open_array,
+    resized,
+)
+from lm_pipeline.data.encode import TOKEN_DTYPE, EncodedShard, Shard, TokenizerInfo
+from lm_pipeline.faultpoints import faultpoint
+
+__all__ = ["Committer", "clear_cache", "finalize_cache", "open_arrays", "start_cache"]
+
+Arrays = dict[str, ts.TensorStore]
+
+
+def start_cache(root: CacheRoot, info: TokenizerInfo, plan: dict[str, Any]) -> tuple[dict[str, Any], Arrays]:
+    """Replace whatever is at ``root`` by an empty cache (no shards committed); its ledger and arrays."""
+    clear_cache(root)  # also removes leftovers of a build that died before its first ledger
+    arrays = {name: create_array(root, name) for name in ARRAYS}
+    arrays["doc_offsets"] = resized(arrays["doc_offsets"], 1)
+    arrays["doc_offsets"][0:1].write(np.zeros(1, np.int64)).result()
+    ledger = new_ledger(info, plan)
+    root.write_atomic(LEDGER, dumps_json(ledger))
+    return ledger, arrays
+
+
+def open_arrays(root: CacheRoot) -> Arrays:
+    """The arrays of an existing cache, to resume writing."""
+    return {name: open_array(root, name) for name in ARRAYS}
+
+
+class Committer:
+    """Appends shards to the arrays past the committed counts; commits groups through the ledger.
+
+    Each shard's arrays are written as soon as it is tokenized (so the builder holds at most the
+    in-flight shards in memory, not a whole group); readers see them only after :meth:`commit`.
+    """
+
+    def __init__(self, root: CacheRoot, ledger: dict[str, Any], arrays: Arrays):
+        self.root = root
+        self.ledger = ledger
+        self.arrays = arrays
+        c = ledger["committed"]
+        self.docs, self.tokens, self.bytes = c["docs"], c["tokens"], c["bytes"]
+        self.staged: list[dict[str, Any]] = []
+
+    def append(self, shard: Shard, part: EncodedShard) -> None:
+        """Write ``part`` (``shard``'s encoded documents) past what is staged so far; not yet visible."""
+        d0, t0 = self.docs, self.tokens
+        n, m = len(part.doc_lengths), len(part.tokens)
+        d1, t1 = d0 + n, t0 + m
+        a = self.arrays
+        a["tokens"] = resized(a["tokens"], t1)
+        a["doc_offsets"] = resized(a["doc_offsets"], d1 + 1)
+        a["doc_bytes"] = resized(a["doc_bytes"], d1)
+        futures = []
+        if m:
+            futures.append(a["tokens"][t0:t1].write(part.tokens.astype(TOKEN_DTYPE, copy=False)))
+        if n:
+            futures.append(a["doc_offsets"][d0 + 1 : d1 + 1].write(t0 + np.cumsum(part.doc_lengths)))
+            futures.append(a["doc_bytes"][d0:d1].write(part.doc_bytes))
+        for f in futures:
+            f.result()
+        b = int(part.doc_bytes.sum())
+        self.staged.append({"name": shard.name, "fingerprint": shard.fingerprint, "doc_start": d0, "docs": n,
+                            "token_start": t0, "tokens": m, "bytes": b})
+        self.docs, self.tokens, self.bytes = d1, t1, self.bytes + b
+
+    def commit(self) -> None:
+        """Make the appended shards visible: one atomic ledger replacement."""
+        faultpoint("token_cache.before_commit")  # shards appended to the arrays, ledger not yet replaced
+        self.ledger["shards"].extend(self.staged)
+        self.ledger["committed"] = {
+            "shards": self.ledger["committed"]["shards"] + len(self.staged),
+            "docs": self.docs,
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+        }
+        self.staged = []
+        self.root.write_atomic(LEDGER, dumps_json(self.ledger))  # the commit point
+        faultpoint("token_cache.after_commit")
+
+
+def clear_cache(root: CacheRoot) -> None:
+    """Remove a cache's files: the marker first, then the ledger, then the data."""
+    unknown = root.entries() - KNOWN_ENTRIES
+    unknown = {e for e in unknown if not e.startswith(".")}
+    if unknown:
+        raise CacheError(
+            f"{root}: refusing to delete a directory that holds other files too: {sorted(unknown)[:5]}"
+        )
+    root.delete(COMPLETE)
+    root.delete(LEDGER)
+    for name in (PACKING_DIR, *ARRAYS):
+        root.delete_tree(name)
+
+
+def finalize_cache(root: CacheRoot, ledger: dict[str, Any], arrays: Arrays) -> None:
+    """Mark the cache complete: trim the arrays to the committed counts, mark the ledger complete,
+    then write ``COMPLETE`` (it records the ledger's sha256)."""
+    c = ledger["committed"]
+    # Exact final shapes (an interrupted run may have left a longer, uncommitted tail).
+    arrays["tokens"] = resized(arrays["tokens"], c["tokens"])
+    arrays["doc_offsets"] = resized(arrays["doc_offsets"], c["docs"] + 1)
+    arrays["doc_bytes"] = resized(arrays["doc_bytes"], c["docs"])
+    ledger["complete"] = True
+    data = dumps_json(ledger)
+    root.write_atomic(LEDGER, data)
+    faultpoint("token_cache.before_complete")  # ledger says complete, the marker is not there yet
+    marker = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "ledger_sha256": hashlib.sha256(data).hexdigest(),
+        **c,
+    }
+    root.write_atomic(COMPLETE, dumps_json(marker))  # last, atomically
+
