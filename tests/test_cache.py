@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.data import EOS, sample_texts, tiny_tokenizer
 from tokenizers import Tokenizer
 
 from lm_pipeline import faultpoints
@@ -26,7 +27,6 @@ from lm_pipeline.data.cache import (
     open_cache,
 )
 from lm_pipeline.data.encode import tokenizer_info
-from lm_pipeline.data.testing import EOS, sample_texts, tiny_tokenizer
 from lm_pipeline.data.textshard import TextShard
 
 REPO = Path(__file__).resolve().parents[1]

@@ -222,8 +222,9 @@ def test_pandera_schema_flags_each_row_once():
 
 def test_valid_records_of_a_planted_corpus_all_reach_the_cache(tmp_path):
     """Under `skip`, every valid record becomes exactly one cached document, in order."""
+    from helpers.data import tiny_tokenizer
+
     from lm_pipeline.data.cache import build_cache, open_cache
-    from lm_pipeline.data.testing import tiny_tokenizer
     from lm_pipeline.data.tokenizer import load_tokenizer
 
     p, valid, counts = _planted(tmp_path)

@@ -14,12 +14,12 @@ import numpy as np
 import optax
 import pandas as pd
 import pytest
+from helpers.data import tiny_tokenizer
 
 from lm_pipeline.batch import ArrayDataset
 from lm_pipeline.config import RunConfig, dump_config, load_config
 from lm_pipeline.data.cache import build_cache, open_cache
 from lm_pipeline.data.loader import CacheDataset
-from lm_pipeline.data.testing import tiny_tokenizer
 from lm_pipeline.data.textshard import TextShard
 from lm_pipeline.data.tokenizer import load_tokenizer
 from lm_pipeline.eval import (

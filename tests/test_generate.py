@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers.data import tiny_tokenizer
 
 from lm_pipeline.config import RunConfig, dump_config
-from lm_pipeline.data.testing import tiny_tokenizer
 from lm_pipeline.data.tokenizer import load_tokenizer, tokenizer_info
 from lm_pipeline.generate import generate, generate_text, select_tokens
 from lm_pipeline.models import Gpt2Config, LlamaConfig, LmConfig

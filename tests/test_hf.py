@@ -14,8 +14,8 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from helpers.data import tiny_tokenizer
 
-from lm_pipeline.data.testing import tiny_tokenizer
 from lm_pipeline.data.tokenizer import load_tokenizer, tokenizer_info
 from lm_pipeline.hf import (
     ExportConfig,

@@ -7,11 +7,11 @@ import threading
 import jax
 import numpy as np
 import pytest
+from helpers.data import sample_texts, tiny_tokenizer
 
 from lm_pipeline.batch import ArrayDataset, LmBatch, StepBatchSource
 from lm_pipeline.data.cache import build_cache, open_cache
 from lm_pipeline.data.loader import CacheDataset, Prefetcher, make_batch_source, open_dataset
-from lm_pipeline.data.testing import sample_texts, tiny_tokenizer
 from lm_pipeline.data.textshard import TextShard
 
 T = 16

@@ -7,11 +7,11 @@ import os
 
 import numpy as np
 import pytest
+from helpers.data import sample_texts, tiny_tokenizer
 
 from lm_pipeline.data import packing
 from lm_pipeline.data.cache import build_cache, open_cache
 from lm_pipeline.data.packing import PackedLayout, open_packing, pack_documents, split_pieces
-from lm_pipeline.data.testing import sample_texts, tiny_tokenizer
 from lm_pipeline.data.textshard import TextShard
 
 

@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.data import EOS, tiny_tokenizer
 
 from lm_pipeline.batch import StepBatchSource
 from lm_pipeline.config import load_config
 from lm_pipeline.data.cache import build_cache, open_cache
 from lm_pipeline.data.loader import CacheDataset
-from lm_pipeline.data.testing import EOS, tiny_tokenizer
 from lm_pipeline.data.textshard import TextShard
 from lm_pipeline.data.tokenizer import load_tokenizer
 from lm_pipeline.eval import evaluate_model

@@ -1,4 +1,4 @@
-"""Small helpers for tests and examples of the data path: a tiny tokenizer and sample texts."""
+"""Test helpers for the data path: a tiny tokenizer and sample texts."""
 
 from __future__ import annotations
 
