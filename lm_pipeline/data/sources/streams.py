@@ -49,14 +49,14 @@ def open_raw(url: str) -> IO[bytes]:
 class HashingReader(io.RawIOBase):
     """Pass-through reader that hashes every byte it hands out (sha256)."""
 
-    def __init__(self, raw):
+    def __init__(self, raw: IO[bytes]):
         self.raw = raw
         self.sha = hashlib.sha256()
 
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b) -> int:
+    def readinto(self, b: bytearray | memoryview) -> int:
         data = self.raw.read(len(b))
         n = len(data)
         b[:n] = data
@@ -76,7 +76,7 @@ class HashingReader(io.RawIOBase):
         super().close()
 
 
-def decompress(stream, compression: str | None):
+def decompress(stream: IO[bytes], compression: str | None) -> IO[bytes]:
     """A buffered reader of ``stream``'s decompressed bytes (``compression``: gzip, zstd or None)."""
     if compression == "gzip":
         return gzip.GzipFile(fileobj=stream, mode="rb")
