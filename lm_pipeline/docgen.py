@@ -10,7 +10,7 @@ import typing
 from typing import Any, get_args, get_origin
 
 from lm_pipeline.config import RunConfig
-from lm_pipeline.schema import MISSING, Choice, _type_name
+from lm_pipeline.schema import MISSING, Choice, type_name
 
 HEADER = """# Configuration reference
 
@@ -67,7 +67,7 @@ def _section(cls: type, prefix: str, lines: list[str], parent_semantic: bool = T
             continue
         aliases = f.metadata.get("aliases", ())
         alias = f" (alias: {', '.join(f'`{a}`' for a in aliases)})" if aliases else ""
-        cells = [f"`{f.name}`{alias}", _default(f), f"{f.metadata.get('help', '')} ({_type_name(tp)})",
+        cells = [f"`{f.name}`{alias}", _default(f), f"{f.metadata.get('help', '')} ({type_name(tp)})",
                  "yes" if semantic else "no"]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     if rows:

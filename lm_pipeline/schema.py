@@ -94,7 +94,9 @@ def fields_of(cls: type) -> list[dataclasses.Field]:
     return list(dataclasses.fields(cls))
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
+    """A field type as readers of the configuration reference and of errors say it:
+    ``int | None`` -> ``'integer or null'``, a dataclass -> ``'mapping'``."""
     if tp is type(None):
         return "null"
     if isinstance(tp, type):
@@ -107,11 +109,11 @@ def _type_name(tp: Any) -> str:
     if origin is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
     if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in get_args(tp))
+        return " or ".join(type_name(a) for a in get_args(tp))
     if origin in (list, tuple):
-        return f"list of {_type_name(get_args(tp)[0])}" if get_args(tp) else "list"
+        return f"list of {type_name(get_args(tp)[0])}" if get_args(tp) else "list"
     if origin is dict:
-        return f"mapping of {_type_name(get_args(tp)[1])}"
+        return f"mapping of {type_name(get_args(tp)[1])}"
     return str(tp)
 
 
@@ -133,7 +135,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if value is None:
             if type(None) in args:
                 return None
-            raise ConfigError(path, f"must not be null; expected {_type_name(tp)}")
+            raise ConfigError(path, f"must not be null; expected {type_name(tp)}")
         errors = []
         # Try exact-kind matches first so that `int | float` keeps ints as ints.
         for arg in sorted(args, key=lambda a: 0 if isinstance(a, type) and type(value) is a else 1):
@@ -145,7 +147,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 errors.append(e)
         if len(errors) == 1:
             raise errors[0]
-        raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+        raise ConfigError(path, f"expected {type_name(tp)}, got {_describe(value)}")
     if origin is Literal:
         allowed = get_args(tp)
         if value in allowed:
@@ -156,12 +158,12 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if origin in (list, tuple):
         (item_tp, *_) = get_args(tp) or (Any,)
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+            raise ConfigError(path, f"expected {type_name(tp)}, got {_describe(value)}")
         return tuple(_convert(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         key_tp, val_tp = get_args(tp) or (str, Any)
         if not isinstance(value, dict):
-            raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+            raise ConfigError(path, f"expected {type_name(tp)}, got {_describe(value)}")
         return {_convert(key_tp, k, path): _convert(val_tp, v, f"{path}.{k}") for k, v in value.items()}
     if isinstance(tp, type) and issubclass(tp, Choice):
         return _from_choice(tp, value, path)
