@@ -11,19 +11,18 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import jax.numpy as jnp
-
 from lm_pipeline.schema import ConfigError, field
 from lm_pipeline.train.checkpoint import CheckpointerConfig
 from lm_pipeline.train.trackers import TrackerConfig
 
+# Spelling -> JAX dtype name. Names, not dtypes, so that validating a config needs no JAX.
 _DTYPES = {
-    "f32": jnp.float32,
-    "float32": jnp.float32,
-    "bf16": jnp.bfloat16,
-    "bfloat16": jnp.bfloat16,
-    "f16": jnp.float16,
-    "float16": jnp.float16,
+    "f32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "f16": "float16",
+    "float16": "float16",
 }
 
 
@@ -37,6 +36,8 @@ class Precision:
 
     @property
     def uses_loss_scaling(self) -> bool:
+        import jax.numpy as jnp
+
         return self.compute == jnp.float16
 
 
@@ -45,13 +46,21 @@ def parse_mp(spec: str) -> Precision:
 
     A single name sets the compute dtype; parameters stay f32 and outputs follow compute.
     """
+    import jax.numpy as jnp  # here, not at the top: validating a config must not import JAX
+
+    return Precision(*(getattr(jnp, name) for name in parse_mp_names(spec)))
+
+
+def parse_mp_names(spec: str) -> tuple[str, str, str]:
+    """The (param, compute, output) dtype names of a :func:`parse_mp` policy, e.g.
+    ``'p=f32,c=bf16'`` -> ``('float32', 'bfloat16', 'bfloat16')``; ConfigError if malformed."""
     spec = spec.strip()
     if "=" not in spec:
         if spec not in _DTYPES:
             raise ConfigError("", f"unknown dtype {spec!r}; use one of f32, bf16, f16 or 'p=f32,c=bfloat16'")
         c = _DTYPES[spec]
-        return Precision(jnp.float32, c, c)
-    parts: dict[str, Any] = {}
+        return "float32", c, c
+    parts: dict[str, str] = {}
     names = {"p": "param", "params": "param", "c": "compute", "compute": "compute", "o": "output", "output": "output"}
     for item in spec.split(","):
         if "=" not in item:
@@ -62,9 +71,9 @@ def parse_mp(spec: str) -> Precision:
         if v not in _DTYPES:
             raise ConfigError("", f"unknown dtype {v!r}; use one of {', '.join(sorted(_DTYPES))}")
         parts[names[k]] = _DTYPES[v]
-    param = parts.get("param", jnp.float32)
+    param = parts.get("param", "float32")
     compute = parts.get("compute", param)
-    return Precision(param, compute, parts.get("output", compute))
+    return param, compute, parts.get("output", compute)
 
 
 def check_run_id(run_id: str, path: str = "trainer.id") -> str:
@@ -192,7 +201,7 @@ class TrainerConfig:
                 f"{self.train_batch_size} is not divisible by per_device_parallelism={self.per_device_parallelism}",
             )
         try:
-            parse_mp(self.mp)
+            parse_mp_names(self.mp)
         except ConfigError as e:
             raise ConfigError("mp", e.message) from None
         if self.max_eval_batches is not None and self.max_eval_batches < 1:
