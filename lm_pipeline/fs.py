@@ -36,6 +36,7 @@ __all__ = [
     "local_path",
     "makedirs",
     "norm",
+    "open_binary",
     "put",
     "read_bytes",
     "read_text",
@@ -112,6 +113,13 @@ def read_bytes(path: PathLike) -> bytes | None:
         return fs.cat_file(inner)
     except _MISSING:
         return None
+
+
+def open_binary(path: PathLike) -> IO[bytes]:
+    """A binary file object reading ``path`` from the start, for streaming large files."""
+    if is_local(path):
+        return open(local_path(path), "rb")  # noqa: SIM115 - the caller closes it
+    return fsspec.open(os.fspath(path), "rb").open()
 
 
 def read_text(path: PathLike, encoding: str = "utf-8") -> str | None:
