@@ -18,12 +18,12 @@ from typing import Any
 import yaml
 
 from lm_pipeline.data.config import DataConfig
-from lm_pipeline.eval import EvalConfig
-from lm_pipeline.hf import ExportConfig
+from lm_pipeline.eval.config import EvalConfig
+from lm_pipeline.hf.config import ExportConfig
 from lm_pipeline.models import Gpt2Config, LmConfig
 from lm_pipeline.schema import ConfigError, field, from_dict, to_dict
 from lm_pipeline.train.config import TrainerConfig
-from lm_pipeline.train.optim import OptimizerConfig
+from lm_pipeline.train.optim_config import OptimizerConfig
 
 
 @dataclass(frozen=True)

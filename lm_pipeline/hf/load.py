@@ -1,0 +1,205 @@
+"""Hugging Face import: a GPT-2 or Llama checkpoint in safetensors as one of our models.
+
+:func:`load_hf_checkpoint` reads a local directory or a hub repo (``org/name[@revision]``) holding
+a GPT-2 or Llama model in safetensors only: pickle-based weights (``.bin``, ``.pt``, ...) are
+refused, never unpickled, and models that need ``trust_remote_code`` are refused. The model
+config is derived from ``config.json`` (:func:`config_from_hf`, the ``use_hf_model_config``
+semantics) or given explicitly. Export -> import -> export reproduces the weights byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from lm_pipeline.eval.config import resolve_dtype
+from lm_pipeline.hf.config import REPO_RE
+from lm_pipeline.hf.files import (
+    CONFIG_NAME,
+    HUB_PATTERNS,
+    PICKLE_SUFFIXES,
+    UnsafeCheckpointError,
+    embedding_names,
+    pickle_message,
+    read_safetensors_dir,
+)
+from lm_pipeline.models.base import LmConfig, LmModel
+from lm_pipeline.models.gpt2 import Gpt2Config
+from lm_pipeline.models.hf_mapping import from_hf_state_dict
+from lm_pipeline.models.llama import LlamaConfig
+from lm_pipeline.schema import ConfigError, from_dict
+
+__all__ = ["config_from_hf", "load_hf_checkpoint"]
+
+
+_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu_fast": "gelu_new",
+                "gelu": "gelu", "relu": "relu", "silu": "silu", "swish": "silu"}
+
+
+def _activation(hf: Mapping[str, Any], key: str, default: str) -> str:
+    act = hf.get(key, default)
+    if act not in _ACTIVATIONS:
+        raise ConfigError(key, f"activation {act!r} is not supported; supported: {', '.join(sorted(_ACTIVATIONS))}")
+    return _ACTIVATIONS[act]
+
+
+def _rope_theta(hf: Mapping[str, Any]) -> float:
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    for where, p in (("rope_parameters", params), ("rope_scaling", scaling)):
+        kind = p.get("rope_type", p.get("type", "default"))
+        if kind not in (None, "default"):
+            raise ConfigError(where, f"rope type {kind!r} is not supported (only the default rotary embedding)")
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> LmConfig:
+    """Our model config for a Hugging Face ``config.json`` (GPT-2 or Llama); raises
+    :class:`ConfigError` for settings our models do not implement."""
+    kind = hf.get("model_type")
+    if kind == "gpt2":
+        d = int(hf["n_embd"])
+        inner = hf.get("n_inner") or 4 * d
+        if inner % d:
+            raise ConfigError("n_inner", f"must be a multiple of n_embd ({d}), got {inner}")
+        if not hf.get("scale_attn_weights", True):
+            raise ConfigError("scale_attn_weights", "false is not supported")
+        if hf.get("add_cross_attention"):
+            raise ConfigError("add_cross_attention", "cross attention is not supported")
+        if not hf.get("tie_word_embeddings", True):
+            raise ConfigError("tie_word_embeddings", "our GPT-2 always ties the LM head to the token embeddings")
+        data = {
+            "type": "gpt2",
+            "seq_len": int(hf.get("n_positions", hf.get("n_ctx", 1024))),
+            "hidden_dim": d,
+            "num_layers": int(hf["n_layer"]),
+            "num_heads": int(hf["n_head"]),
+            "mlp_scale": int(inner // d),
+            "initializer_range": float(hf.get("initializer_range", 0.02)),
+            "embed_pdrop": float(hf.get("embd_pdrop", 0.1)),
+            "resid_pdrop": float(hf.get("resid_pdrop", 0.1)),
+            "attn_pdrop": float(hf.get("attn_pdrop", 0.1)),
+            "layer_norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
+            "activation_function": _activation(hf, "activation_function", "gelu_new"),
+            "scale_attn_by_inverse_layer_idx": bool(hf.get("scale_attn_by_inverse_layer_idx", False)),
+            "upcast_attn": bool(hf.get("reorder_and_upcast_attn", False)),
+            "use_bias": True,
+        }
+        return from_dict(Gpt2Config, data)
+    if kind == "llama":
+        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        head_dim = hf.get("head_dim")
+        if head_dim is not None and int(head_dim) == d // heads and d % heads == 0:
+            head_dim = None
+        attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+        if attn_bias != mlp_bias:
+            raise ConfigError("mlp_bias", f"attention_bias ({attn_bias}) and mlp_bias ({mlp_bias}) must agree (one use_bias)")
+        data = {
+            "type": "llama",
+            "seq_len": int(hf.get("max_position_embeddings", 2048)),
+            "hidden_dim": d,
+            "intermediate_dim": int(hf["intermediate_size"]),
+            "num_layers": int(hf["num_hidden_layers"]),
+            "num_heads": heads,
+            "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+            "head_dim": None if head_dim is None else int(head_dim),
+            "activation_function": _activation(hf, "hidden_act", "silu"),
+            "initializer_range": float(hf.get("initializer_range", 0.02)),
+            "layer_norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+            "rope_theta": _rope_theta(hf),
+            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "use_bias": attn_bias,
+        }
+        return from_dict(LlamaConfig, data)
+    raise ConfigError("model_type", f"{kind!r} is not supported; supported: 'gpt2', 'llama'")
+
+
+def _split_revision(source: str, revision: str | None) -> tuple[str, str | None]:
+    if "@" in source and revision is None:
+        repo, rev = source.rsplit("@", 1)
+        return repo, rev or None
+    return source, revision
+
+
+def _resolve_source(source: str | os.PathLike, revision: str | None, cache_dir: str | None, token: str | None) -> str:
+    """A local directory holding the checkpoint (downloaded from the hub if needed)."""
+    text = os.fspath(source)
+    if os.path.isdir(text):
+        return text
+    repo, rev = _split_revision(text, revision)
+    if os.path.isdir(repo):
+        return repo
+    if not REPO_RE.match(repo):
+        raise FileNotFoundError(f"{text!r} is neither a local directory nor a hub repo id ('org/name[@revision]')")
+    from huggingface_hub import snapshot_download
+
+    local = snapshot_download(repo, revision=rev, allow_patterns=HUB_PATTERNS, cache_dir=cache_dir, token=token)
+    if not any(n.endswith(".safetensors") for n in os.listdir(local)):
+        from huggingface_hub import HfApi
+
+        files = HfApi(token=token).list_repo_files(repo, revision=rev)
+        pickles = [f for f in files if f.endswith(PICKLE_SUFFIXES)]
+        if pickles:
+            raise UnsafeCheckpointError(pickle_message(f"hub repo {repo}", pickles))
+        raise FileNotFoundError(f"hub repo {repo} has no safetensors weights (files: {files[:10]})")
+    return local
+
+
+def load_hf_checkpoint(
+    source: str | os.PathLike,
+    *,
+    config: LmConfig | None = None,
+    use_hf_model_config: bool = True,
+    revision: str | None = None,
+    dtype: Any = None,
+    cache_dir: str | None = None,
+    token: str | None = None,
+) -> tuple[LmConfig, LmModel]:
+    """(model config, model) of a Hugging Face GPT-2 / Llama checkpoint in safetensors.
+
+    Args:
+        source: a local directory, or a hub repo id with an optional ``@revision``
+            (``org/name@main``, ``org/name@<commit sha>``); downloads fetch only configs,
+            tokenizer files and ``*.safetensors``.
+        config / use_hf_model_config: with ``use_hf_model_config`` (or no ``config``) the model
+            config comes from ``config.json`` (:func:`config_from_hf`); otherwise ``config`` is
+            used and the weights must fit it (e.g. to keep our seq_len or dropout settings).
+        dtype: cast the parameters (default float32).
+
+    Never unpickles and never runs remote code: ``.bin``/``.pt`` weights and configs with an
+    ``auto_map`` raise :class:`UnsafeCheckpointError`.
+    """
+    local = _resolve_source(source, revision, cache_dir, token)
+    cfg_path = os.path.join(local, CONFIG_NAME)
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{local} has no {CONFIG_NAME}")
+    with open(cfg_path, encoding="utf-8") as f:
+        hf = json.load(f)
+    if hf.get("auto_map"):
+        raise UnsafeCheckpointError(
+            f"{local}: config.json has an auto_map (custom modelling code, trust_remote_code); refusing to run it"
+        )
+    hf_cfg = config_from_hf(hf)
+    if use_hf_model_config or config is None:
+        cfg = hf_cfg
+    else:
+        if type(config) is not type(hf_cfg):
+            raise ConfigError("model.type", f"is {config.type!r} but {local} holds a {hf_cfg.type!r} model")
+        cfg = config
+    state = read_safetensors_dir(local)
+    emb = embedding_names(cfg)[0]
+    if emb not in state and isinstance(cfg, Gpt2Config) and "wte.weight" in state:
+        emb = "wte.weight"
+    if emb not in state:
+        raise ValueError(f"{local}: no {emb!r} tensor; is this a {cfg.type} causal LM checkpoint?")
+    vocab = int(state[emb].shape[0])
+    model = from_hf_state_dict(cfg, state, vocab)
+    if dtype is not None:
+        from lm_pipeline.train.trainer import cast_floating
+
+        model = cast_floating(model, resolve_dtype(dtype))
+    return cfg, model
+
