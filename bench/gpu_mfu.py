@@ -124,11 +124,14 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
 
 
 def bench_shape(name: str, overrides: dict, steps: int, warmup: int, profile_dir: str | None = None,
-                per_device: str = "auto") -> dict:
+                per_device: str = "auto", variant: dict | None = None) -> dict:
+    import dataclasses
+
     import jax
     import numpy as np
 
     from lm_pipeline.batch import LmBatch
+    from lm_pipeline.compute import plan_for_mesh
     from lm_pipeline.config import load_config
     from lm_pipeline.estimate import estimate, planned_bytes, resolve_auto_parallelism
     from lm_pipeline.train.sharding import make_mesh
@@ -142,8 +145,15 @@ def bench_shape(name: str, overrides: dict, steps: int, warmup: int, profile_dir
     })
     cfg = resolve_auto_parallelism(cfg, 1, vocab, segments=False)
     plan = make_mesh(cfg.trainer, jax.devices()[:1])
+    variant = variant or {}
+    compute = plan_for_mesh(plan.mesh, cfg.trainer.precision.compute, attention=variant.get("attention"))
+    compute = dataclasses.replace(
+        compute,
+        vocab_pad_multiple=int(variant.get("vocab_pad", compute.vocab_pad_multiple)),
+        unroll_max_layers=int(variant.get("unroll", compute.unroll_max_layers)),
+    )
     fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=vocab, num_train_steps=10**6,
-                               plan=plan, has_segments=False)
+                               plan=plan, has_segments=False, compute=compute)
     state = fns.init(jax.random.key_data(jax.random.key(0)))
     rng = np.random.default_rng(0)
     b, t = cfg.trainer.train_batch_size, cfg.model.seq_len
@@ -200,8 +210,6 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     import jax
 
-    from lm_pipeline.models import layers
-    from lm_pipeline.models.layers import attention_implementation
     from lm_pipeline.train.trainer import device_peak_flops
 
     device = jax.devices()[0]
@@ -220,15 +228,11 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         if name not in SHAPES:
             p.error(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
-    defaults = {"vocab_pad": layers.VOCAB_PAD_MULTIPLE, "unroll": layers.ACCELERATOR_UNROLL_MAX_LAYERS}
     for name, (label, v) in itertools.product(names, variants):
         overrides = {**SHAPES[name], **(SMOKE[name] if args.smoke else {}),
                      "model.gradient_checkpointing": bool(int(v.get("remat", 0)))}
-        layers.VOCAB_PAD_MULTIPLE = int(v.get("vocab_pad", defaults["vocab_pad"]))
-        layers.ACCELERATOR_UNROLL_MAX_LAYERS = int(v.get("unroll", defaults["unroll"]))
         trace = f"{args.profile}/{name}_{label}" if args.profile else None
-        with attention_implementation(v.get("attention", "auto")):
-            r = bench_shape(name, overrides, args.steps, args.warmup, trace, args.per_device_parallelism)
+        r = bench_shape(name, overrides, args.steps, args.warmup, trace, args.per_device_parallelism, v)
         r["variant"] = label
         r["mfu"] = r["achieved_flops"] / peak
         r["mfu_vendor"] = r["achieved_flops"] / vendor if vendor else None

@@ -36,8 +36,8 @@ axis size divides evenly, exactly as :meth:`MeshPlan.param_shardings` decides.
   intermediates, and the ``[B, N, T, T]`` attention scores/probabilities whenever the
   attention implementation materialises them, as ``jax.nn.dot_product_attention``'s XLA path
   and the dropout softmax path do; the CPU's causal attention, native or blocked, saves only
-  its output and per-row log-sum-exp, :mod:`lm_pipeline.models.native_attention`,
-  :mod:`lm_pipeline.models.blocked_attention`); with checkpointing: the
+  its output and per-row log-sum-exp, :mod:`lm_pipeline.kernels.cpu.native_attention`,
+  :mod:`lm_pipeline.kernels.cpu.blocked_attention`); with checkpointing: the
   block input ``[B, T, D]`` only); the rest (x 1) is what does not repeat per layer: the
   embeddings, final norm and the logits / cross-entropy residuals ``[B, T, V]``. (On the CPU
   the trainer computes the head and loss in chunks instead,
@@ -175,6 +175,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
+from lm_pipeline.compute import REFERENCE, ComputePlan, plan_for
 from lm_pipeline.schema import ConfigError
 
 log = logging.getLogger(__name__)
@@ -435,14 +436,12 @@ def _optimizer_bytes(opt_cfg, params, axes, factors) -> int:
 
 @functools.lru_cache(maxsize=256)
 def saved_activations(
-    model_cfg, vocab_size: int, batch: int, compute_dtype: str, segments: bool, dots_only: bool = False
+    model_cfg, vocab_size: int, batch: int, compute_dtype: str, segments: bool, plan: ComputePlan = REFERENCE
 ) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """Shapes of the tensors ``jax.vjp`` of the trainer's loss saves for the backward pass
-    (``batch`` sequences), excluding the (compute-dtype) parameters themselves. ``dots_only``:
-    under the trainer's per-layer remat policy (f32 on CPU,
-    :func:`~lm_pipeline.models.layers.matmuls_and_attention_saveable`)."""
-    from lm_pipeline.models.layers import layer_remat_policy, matmuls_and_attention_saveable
-    from lm_pipeline.train.trainer import next_token_loss_sums
+    """Shapes of the tensors ``jax.vjp`` of the loss (from the logits) saves for the backward pass
+    (``batch`` sequences, the model computing as ``plan`` says, its remat policy included),
+    excluding the (compute-dtype) parameters themselves."""
+    from lm_pipeline.train.loss import next_token_loss_sums
 
     abstract = _abstract_model(model_cfg, vocab_size)
     params, static = eqx.partition(abstract, _is_array_like)
@@ -461,8 +460,7 @@ def saved_activations(
 
         def loss(p):
             model = eqx.combine(p, static)
-            with layer_remat_policy(matmuls_and_attention_saveable() if dots_only else None):
-                logits = model(tokens, seg, key=key, inference=not dropout_active)
+            logits = model(tokens, seg, key=key, inference=not dropout_active, plan=plan)
             return next_token_loss_sums(logits, tokens, seg)[0]
 
         _, vjp_fn = jax.vjp(loss, p)
@@ -507,18 +505,12 @@ def _classify(
     return _Saved(total, attention, logits)
 
 
-def _unroll_max_layers() -> int:
-    from lm_pipeline.models import layers
-
-    return int(getattr(layers, "UNROLL_MAX_LAYERS", 0))
-
-
 def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments: bool, *,
                  remat: bool, model_size: int, platform: str) -> Activations:
-    from lm_pipeline.models.blocked_attention import num_query_blocks
-    from lm_pipeline.train.trainer import saves_only_dots
+    from lm_pipeline.kernels.cpu.blocked_attention import num_query_blocks
 
     cfg = dataclasses.replace(model_cfg, gradient_checkpointing=remat)
+    plan = plan_for(platform, compute_dtype, num_devices=1)
     layers = model_cfg.num_layers
     mlp = tuple(d for d in (getattr(model_cfg, "mlp_dim", None), getattr(model_cfg, "intermediate_dim", None)) if d)
     on_cpu = platform == "cpu"
@@ -529,17 +521,18 @@ def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments
     # unrolled stack (``scan_blocks`` unrolls short low-precision stacks without checkpointing)
     # or recomputed inside one layer stay bf16, except attention's -- as long as attention
     # takes XLA's path (one query block); with the blocked attention they measured f32 too.
-    unrolled = (not remat and layers <= _unroll_max_layers() and jnp.dtype(compute_dtype) != jnp.float32
+    unrolled = (on_cpu and not remat and plan.remat_policy() is None and plan.unroll(layers)
                 and num_query_blocks(model_cfg.seq_len) == 1)
-    # f32 on CPU without checkpointing: the trainer saves only matmul outputs per layer.
-    dots = not remat and saves_only_dots(cfg, compute_dtype, platform)
 
-    def saved(num_layers: int, remat_: bool, only_attention: bool, dots_only: bool = False) -> _Saved:
+    # Without checkpointing a CPU f32 step keeps only matmul and attention outputs per layer.
+    dots = not remat and plan.remat_policy() is not None
+
+    def saved(num_layers: int, remat_: bool, only_attention: bool, p: ComputePlan) -> _Saved:
         c = dataclasses.replace(cfg, num_layers=num_layers, gradient_checkpointing=remat_)
-        res = saved_activations(c, vocab, batch, compute_dtype, segments, dots_only)
+        res = saved_activations(c, vocab, batch, compute_dtype, segments, p)
         return _classify(res, upcast_only_attention=only_attention, **kw)
 
-    one, two = saved(1, remat, unrolled, dots), saved(2, remat, unrolled, dots)
+    one, two = saved(1, remat, unrolled, plan), saved(2, remat, unrolled, plan)
     per_layer = _Saved(two.total - one.total, two.attention - one.attention, two.logits - one.logits)
     total = one.total + (layers - 1) * per_layer.total
     attention = one.attention + (layers - 1) * per_layer.attention
@@ -561,7 +554,8 @@ def _activations(model_cfg, vocab: int, batch: int, compute_dtype: str, segments
     head = total + int(HEAD_GRAD_BUFFERS * logits_grad)
     # One layer's full saved set (what a checkpointed layer recomputes in its backward pass).
     if remat or dots:
-        one_nr, two_nr = dataclasses.astuple(saved(1, False, True)), dataclasses.astuple(saved(2, False, True))
+        plain = dataclasses.replace(plan, remat="none")
+        one_nr, two_nr = (dataclasses.astuple(saved(n, False, True, plain)) for n in (1, 2))
         full = _Saved(*(b - a for a, b in zip(one_nr, two_nr, strict=True)))
     else:
         full = per_layer

@@ -33,9 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lm_pipeline.compute import ComputePlan, plan_for_devices
 from lm_pipeline.models.base import LmModel
 from lm_pipeline.models.gpt2 import Gpt2Model
-from lm_pipeline.models.layers import decode_mask, lm_logits, rotary_cos_sin
+from lm_pipeline.models.layers import decode_mask, rotary_cos_sin
 from lm_pipeline.models.llama import LlamaModel
 
 __all__ = ["generate", "generate_text", "select_tokens"]
@@ -85,7 +86,7 @@ def _layer_blocks(model: LmModel) -> list[Any]:
     return [eqx.combine(jax.tree.map(lambda x, i=i: x[i], params), static) for i in range(n)]
 
 
-def _unrolled_decoder(model: LmModel, batch: int, max_len: int, dtype: Any):
+def _unrolled_decoder(model: LmModel, batch: int, max_len: int, dtype: Any, plan: ComputePlan):
     """(empty cache, decode) like ``model.init_cache`` / ``model.decode``, layers unrolled over
     per-layer weights and per-layer cache buffers (see the module docstring)."""
     cfg = model.config
@@ -106,15 +107,15 @@ def _unrolled_decoder(model: LmModel, batch: int, max_len: int, dtype: Any):
             pos_emb = jax.lax.dynamic_slice_in_dim(model.position_embeddings, position, s)
             x = model.token_embeddings[tokens] + pos_emb[None]
             for i, block in enumerate(blocks):
-                x, kv = block(x, cfg, mask, jnp.int32(i), None, cache[i], position)
+                x, kv = block(x, cfg, mask, jnp.int32(i), None, cache[i], position, plan)
                 new.append(kv)
         else:  # as LlamaModel.decode
             rope = rotary_cos_sin((position + jnp.arange(s))[None], cfg.head_size, cfg.rope_theta)
             x = model.token_embeddings[tokens]
             for i, block in enumerate(blocks):
-                x, kv = block(x, cfg, mask, rope, cache[i], position)
+                x, kv = block(x, cfg, mask, rope, cache[i], position, plan)
                 new.append(kv)
-        return lm_logits(*model._head(x)), new
+        return plan.lm_logits(*model.output_head(x)), new
 
     return cache, decode
 
@@ -133,6 +134,7 @@ def _generate(
     vocab_size: int | None,
     cache_dtype: Any,
     unroll_layers: bool,
+    plan: ComputePlan,
 ) -> jax.Array:
     b, p = prompt.shape
 
@@ -143,9 +145,12 @@ def _generate(
     # Positions used: 0 .. p + max_new - 2 (the last token is chosen, never fed back).
     max_len = p + max_new - 1
     if unroll_layers:
-        cache, decode = _unrolled_decoder(model, b, max_len, cache_dtype)
+        cache, decode = _unrolled_decoder(model, b, max_len, cache_dtype, plan)
     else:
-        cache, decode = model.init_cache(b, max_len, cache_dtype), model.decode
+        cache = model.init_cache(b, max_len, cache_dtype)
+
+        def decode(tokens, cache, position):
+            return model.decode(tokens, cache, position, plan=plan)
     logits, cache = decode(prompt, cache, jnp.int32(0))
     tok = select(logits[:, -1], 0)
     out = jnp.full((b, max_new), pad_id, jnp.int32)
@@ -187,6 +192,7 @@ def generate(
     vocab_size: int | None = None,
     dtype: Any = None,
     unroll_layers: bool | None = None,
+    plan: ComputePlan | None = None,
 ) -> np.ndarray:
     """Continue ``prompt_ids`` by ``max_new_tokens`` tokens; returns prompt + continuation.
 
@@ -201,6 +207,8 @@ def generate(
         dtype: cast the parameters (and the cache) first, e.g. ``"bfloat16"``.
         unroll_layers: per-layer weights and caches (see the module docstring); None = for
             GPT-2 and Llama models; False = always ``model.decode``.
+        plan: how the model computes; default: the plan for one device of the default backend
+            in the parameters' dtype (:func:`lm_pipeline.compute.plan_for_devices`).
 
     Returns int32 numpy [B, P + max_new_tokens] (or [P + max_new_tokens] for a 1-D prompt).
     The prompt plus continuation must fit the model's positions (GPT-2: ``seq_len``).
@@ -238,13 +246,16 @@ def generate(
         raise ValueError(f"unroll_layers is implemented for GPT-2 and Llama models, not {type(model).__name__}")
     unroll = known if unroll_layers is None else unroll_layers
     greedy = temperature == 0
+    if plan is None:
+        param_dtype = cache_dtype or next(x.dtype for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+        plan = plan_for_devices(jax.devices()[:1], param_dtype)
     out = _generate(
         model, jnp.asarray(ids, jnp.int32), jax.random.PRNGKey(seed),
         None if greedy else jnp.float32(temperature),
         None if greedy or top_p is None or top_p >= 1.0 else jnp.float32(top_p),
         int(max_new_tokens), None if greedy or top_k is None else int(top_k),
         None if eos_id is None else int(eos_id), int(pad_id), None if vocab_size is None else int(vocab_size),
-        cache_dtype, bool(unroll),
+        cache_dtype, bool(unroll), plan,
     )
     out = np.asarray(out)
     return out[0] if squeeze else out

@@ -7,12 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm_pipeline.models.blocked_attention import (
+from lm_pipeline.compute import plan_for
+from lm_pipeline.kernels.cpu.blocked_attention import (
     ATTENTION_RESIDUALS,
     blocked_causal_attention,
     num_query_blocks,
 )
-from lm_pipeline.models.layers import attention, matmuls_and_attention_saveable, segment_mask
+from lm_pipeline.kernels.cpu.matmul import matmuls_and_attention_saveable
+from lm_pipeline.models.layers import attention, segment_mask
 
 
 def _inputs(b, t, n, kh, h, seed=0):
@@ -69,12 +71,16 @@ def blocked_causal_attention_mask_none(q, k, v, scale):
     return blocked_causal_attention(q, k, v, None, scale)
 
 
-def test_attention_routes_causal_self_attention_to_the_blocked_path_on_cpu():
+def test_a_blocked_plan_routes_causal_self_attention_to_the_blocked_path():
     q, k, v, _ = _inputs(1, 128, 2, 2, 8)
-    jaxpr = str(jax.make_jaxpr(lambda q, k, v: attention(q, k, v, None, scale=0.3))(q, k, v))
+    plan = plan_for("cpu", jnp.float32, attention="blocked")
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: attention(q, k, v, None, scale=0.3, plan=plan))(q, k, v))
     assert "custom_vjp_call" in jaxpr
     # Decoding against a KV cache (queries != keys) keeps jax.nn.dot_product_attention.
-    jaxpr = str(jax.make_jaxpr(lambda q, k, v: attention(q[:, :1], k, v, None, scale=0.3))(q, k, v))
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: attention(q[:, :1], k, v, None, scale=0.3, plan=plan))(q, k, v))
+    assert "custom_vjp_call" not in jaxpr
+    # So does the reference plan, whatever the backend.
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: attention(q, k, v, None, scale=0.3))(q, k, v))
     assert "custom_vjp_call" not in jaxpr
 
 

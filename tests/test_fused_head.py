@@ -1,9 +1,10 @@
-"""The CPU trainer's fused LM head + cross-entropy (``trainer.fused_head_loss_sums``): same loss
-and gradients as the logits path, in chunks that split positions, and no ``[B, T, V]`` array
-in the compiled train step."""
+"""The CPU plan's fused LM head + cross-entropy (``kernels.cpu.fused_head_loss``): same loss and
+gradients as the logits path, in chunks that split positions, and no ``[B, T, V]`` array in the
+compiled train step."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import equinox as eqx
@@ -12,21 +13,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lm_pipeline.compute import REFERENCE, plan_for
 from lm_pipeline.config import load_config
+from lm_pipeline.kernels.cpu import fused_head_loss
+from lm_pipeline.kernels.cpu.fused_head_loss import fused_head_xent_sum, head_chunks
 from lm_pipeline.models.gpt2 import Gpt2Config
-from lm_pipeline.models.layers import lm_logits
 from lm_pipeline.models.llama import LlamaConfig
-from lm_pipeline.train import trainer
+from lm_pipeline.train.loss import model_loss_sums, next_token_loss_sums, next_token_targets
 from lm_pipeline.train.sharding import make_mesh
-from lm_pipeline.train.trainer import (
-    build_step_functions,
-    fused_head_loss_sums,
-    head_chunks,
-    model_loss_sums,
-    next_token_loss_sums,
-    put_batch,
-    uses_fused_head,
-)
+from lm_pipeline.train.trainer import build_step_functions, put_batch
+
+FUSED = plan_for("cpu", jnp.float32)
+LOGITS = dataclasses.replace(FUSED, loss="logits")
+
+
+def lm_logits(h, w):
+    return jnp.einsum("btd,vd->btv", h, w)
+
+
+def fused_head_loss_sums(h, w, tokens, seg):
+    targets, mask = next_token_targets(tokens, seg)
+    return fused_head_xent_sum(h, w, targets, mask), jnp.sum(mask)
 
 
 def _case(b, t, d, v, dtype, segments, seed=0):
@@ -40,7 +47,7 @@ def _case(b, t, d, v, dtype, segments, seed=0):
 
 @pytest.mark.parametrize("segments", [False, True], ids=["plain", "packed"])
 def test_fused_loss_and_gradients_equal_the_logits_path(monkeypatch, segments):
-    monkeypatch.setattr(trainer, "HEAD_CHUNK_ROWS", 16)  # 37 positions x 2 rows: 5 uneven chunks
+    monkeypatch.setattr(fused_head_loss, "HEAD_CHUNK_ROWS", 16)  # 37 positions x 2 rows: 5 uneven chunks
     h, w, tokens, seg = _case(2, 37, 16, 50, jnp.float32, segments)
     assert len(head_chunks(2, 37)) == 5
 
@@ -95,12 +102,12 @@ def test_model_loss_is_the_same_through_features(model_cfg):
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 40, (3, 16)), jnp.int32)
     params, static = eqx.partition(model, eqx.is_array)
 
-    def loss(p, fused):
-        return model_loss_sums(eqx.combine(p, static), tokens, None, key=None, inference=True, fused_head=fused)[0]
+    def loss(p, plan):
+        return model_loss_sums(eqx.combine(p, static), tokens, None, key=None, inference=True, plan=plan)[0]
 
-    np.testing.assert_allclose(model(tokens), lm_logits(*model.features(tokens)), rtol=0, atol=0)
-    l0, g0 = jax.value_and_grad(loss)(params, False)
-    l1, g1 = jax.value_and_grad(loss)(params, True)
+    np.testing.assert_allclose(model(tokens), REFERENCE.lm_logits(*model.features(tokens)), rtol=0, atol=0)
+    l0, g0 = jax.value_and_grad(loss)(params, LOGITS)
+    l1, g1 = jax.value_and_grad(loss)(params, FUSED)
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
     scale = max(float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(g0))
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
@@ -110,21 +117,17 @@ def test_model_loss_is_the_same_through_features(model_cfg):
 def test_cpu_train_step_never_holds_the_whole_logits(monkeypatch):
     """On the CPU backend the compiled step has no ``[B, T, V]`` array (the logits path has one);
     f16 loss scaling keeps the logits path."""
-    monkeypatch.setattr(trainer, "HEAD_CHUNK_ROWS", 64)  # 8 x 32 rows: 4 chunks of 8 positions
-    assert uses_fused_head("cpu", False) and not uses_fused_head("cpu", True) and not uses_fused_head("gpu", False)
+    monkeypatch.setattr(fused_head_loss, "HEAD_CHUNK_ROWS", 64)  # 8 x 32 rows: 4 chunks of 8 positions
+    assert FUSED.loss == "cpu_fused_head" and plan_for("cpu", jnp.float16, loss_scaling=True).loss == "logits"
     b, t, v = 8, 32, 96
     cfg = load_config(None, {"model.type": "gpt2", "model.seq_len": t, "model.hidden_dim": 32, "model.num_layers": 1,
                              "model.num_heads": 2, "trainer.train_batch_size": b, "trainer.mp": "f32"})
     plan = make_mesh(cfg.trainer, jax.devices()[:1])
 
     def hlo(fused: bool) -> str:
-        orig = trainer.uses_fused_head
-        trainer.uses_fused_head = lambda *a: fused
-        try:
-            fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=v, num_train_steps=10,
-                                       plan=plan, has_segments=False)
-        finally:
-            trainer.uses_fused_head = orig
+        fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=v, num_train_steps=10,
+                                   plan=plan, has_segments=False, compute=FUSED if fused else LOGITS)
+        assert fns.compute.loss == ("cpu_fused_head" if fused else "logits")
         state = fns.abstract_state
         tokens, seg = put_batch(_batch(b, t, v), plan)
         return fns.train_step.lower(state, tokens, seg).compile().as_text()
@@ -141,16 +144,15 @@ def _batch(b, t, v):
 
 
 def test_eval_step_loss_is_the_same_on_the_chunked_path(monkeypatch):
-    monkeypatch.setattr(trainer, "HEAD_CHUNK_ROWS", 64)
+    monkeypatch.setattr(fused_head_loss, "HEAD_CHUNK_ROWS", 64)
     b, t, v = 8, 32, 96
     cfg = load_config(None, {"model.type": "gpt2", "model.seq_len": t, "model.hidden_dim": 32, "model.num_layers": 1,
                              "model.num_heads": 2, "trainer.train_batch_size": b, "trainer.mp": "f32"})
     plan = make_mesh(cfg.trainer, jax.devices()[:1])
     sums = {}
     for fused in (False, True):
-        monkeypatch.setattr(trainer, "uses_fused_head", lambda *a, fused=fused: fused)
         fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=v, num_train_steps=10,
-                                   plan=plan, has_segments=False)
+                                   plan=plan, has_segments=False, compute=FUSED if fused else LOGITS)
         state = fns.init(jax.random.key_data(jax.random.key(0)))
         sums[fused] = [float(x) for x in fns.eval_step(state, *put_batch(_batch(b, t, v), plan))]
     assert sums[True][1] == sums[False][1] == b * (t - 1)

@@ -10,15 +10,12 @@ import numpy as np
 import pytest
 from test_blocked_attention import _inputs, _value_and_grads  # same random q/k/v and cotangent weights
 
-from lm_pipeline.models import native_attention
-from lm_pipeline.models.blocked_attention import ATTENTION_RESIDUALS
-from lm_pipeline.models.layers import (
-    attention,
-    attention_implementation,
-    matmuls_and_attention_saveable,
-    segment_mask,
-)
-from lm_pipeline.models.native_attention import NativeAttentionUnavailable, native_causal_attention
+from lm_pipeline.compute import plan_for
+from lm_pipeline.kernels.cpu import native_attention
+from lm_pipeline.kernels.cpu.blocked_attention import ATTENTION_RESIDUALS
+from lm_pipeline.kernels.cpu.matmul import matmuls_and_attention_saveable
+from lm_pipeline.kernels.cpu.native_attention import NativeAttentionUnavailable, native_causal_attention
+from lm_pipeline.models.layers import attention, segment_mask
 
 pytestmark = pytest.mark.skipif(
     not native_attention.available(), reason="native attention needs a C++ compiler (the XLA path is tested elsewhere)"
@@ -66,22 +63,29 @@ def test_traced_scale_gets_no_gradient_and_vmap_runs_per_example():
 
 def test_attention_takes_the_native_kernel_on_cpu_float32_only():
     q, k, v, _ = _inputs(2, 64, 4, 2, 16)
+    plan = plan_for("cpu", jnp.float32, num_devices=1)
+    assert plan.attention == "cpu_native"
 
     def lowered(fn, *args):
         return jax.jit(fn).lower(*args).as_text()
 
-    plain = lowered(lambda q, k, v: attention(q, k, v, None, scale=0.25, causal=True), q, k, v)
+    plain = lowered(lambda q, k, v: attention(q, k, v, None, scale=0.25, causal=True, plan=plan), q, k, v)
     assert "lm_pipeline_causal_attention_fwd" in plain
-    # a packing mask, bf16, or LM_PIPELINE_ATTENTION=xla keep XLA's path
+    # a packing mask, bf16 inputs, several devices or LM_PIPELINE_ATTENTION=blocked/xla keep XLA ops
     mask = segment_mask(jnp.ones((2, 64), jnp.int32))
-    masked = lowered(lambda q, k, v: attention(q, k, v, mask, scale=0.25, causal=True), q, k, v)
-    bf16 = lowered(lambda q, k, v: attention(q, k, v, None, scale=0.25), *(x.astype(jnp.bfloat16) for x in (q, k, v)))
-    with attention_implementation("xla"):
-        xla = lowered(lambda q, k, v: attention(q, k, v, None, scale=0.25), q, k, v)
-    for text in (masked, bf16, xla):
+    masked = lowered(lambda q, k, v: attention(q, k, v, mask, scale=0.25, causal=True, plan=plan), q, k, v)
+    bf16 = lowered(lambda q, k, v: attention(q, k, v, None, scale=0.25, plan=plan),
+                   *(x.astype(jnp.bfloat16) for x in (q, k, v)))
+    others = [
+        lowered(lambda q, k, v, p=p: attention(q, k, v, None, scale=0.25, plan=p), q, k, v)
+        for p in (plan_for("cpu", jnp.float32, num_devices=2), plan_for("cpu", jnp.float32, attention="blocked"),
+                  plan_for("cpu", jnp.float32, attention="xla"))
+    ]
+    for text in (masked, bf16, *others):
         assert "lm_pipeline_causal_attention" not in text
-    with attention_implementation("native"), pytest.raises(ValueError, match="float32 causal self-attention"):
-        attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), None, scale=0.25)
+    strict = plan_for("cpu", jnp.float32, attention="native")
+    with pytest.raises(ValueError, match="takes float32 inputs"):
+        attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), None, scale=0.25, plan=strict)
 
 
 def test_remat_policy_keeps_the_kernels_output_and_lse():
@@ -90,7 +94,7 @@ def test_remat_policy_keeps_the_kernels_output_and_lse():
     q, k, v, w = _inputs(1, 64, 2, 2, 16)
 
     def layer(q, k, v):
-        return attention(q, k, v, None, scale=0.25, causal=True)
+        return attention(q, k, v, None, scale=0.25, causal=True, plan=plan_for("cpu", jnp.float32))
 
     policy = matmuls_and_attention_saveable()
     body = jax.checkpoint(layer, policy=policy)
@@ -102,12 +106,14 @@ def test_remat_policy_keeps_the_kernels_output_and_lse():
     assert set(ATTENTION_RESIDUALS) <= names
 
 
-def test_a_missing_compiler_falls_back_to_xla_with_a_warning(monkeypatch, caplog):
+def test_a_missing_compiler_falls_back_to_the_blocked_attention_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(native_attention, "_state", {})
     monkeypatch.setattr(native_attention, "_compiler", lambda: None)
     q, k, v, _ = _inputs(1, 32, 2, 2, 8)
-    with caplog.at_level(logging.WARNING, logger="lm_pipeline.models.native_attention"):
-        text = jax.jit(lambda q, k, v: attention(q, k, v, None, scale=0.25)).lower(q, k, v).as_text()
+    with caplog.at_level(logging.WARNING, logger="lm_pipeline.kernels.cpu.native_attention"):
+        plan = plan_for("cpu", jnp.float32, num_devices=1)
+        text = jax.jit(lambda q, k, v: attention(q, k, v, None, scale=0.25, plan=plan)).lower(q, k, v).as_text()
+    assert plan.attention == "cpu_blocked"
     assert "lm_pipeline_causal_attention" not in text
     assert "no C++ compiler found" in caplog.text
     with pytest.raises(NativeAttentionUnavailable, match="no C\\+\\+ compiler"):

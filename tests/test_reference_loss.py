@@ -10,6 +10,7 @@ tokens of its own document (no label leak through attention, no attention across
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import equinox as eqx
@@ -20,15 +21,16 @@ import pytest
 from helpers.data import EOS, tiny_tokenizer
 
 from lm_pipeline.batch import StepBatchSource
+from lm_pipeline.compute import plan_for
 from lm_pipeline.config import load_config
 from lm_pipeline.data.cache import build_cache, open_cache
 from lm_pipeline.data.loader import CacheDataset
 from lm_pipeline.data.textshard import TextShard
 from lm_pipeline.data.tokenizer import load_tokenizer
 from lm_pipeline.eval import evaluate_model
-from lm_pipeline.models.layers import attention_implementation
+from lm_pipeline.train.loss import model_loss_sums
 from lm_pipeline.train.sharding import make_mesh
-from lm_pipeline.train.trainer import TrainState, build_step_functions, model_loss_sums, put_batch
+from lm_pipeline.train.trainer import TrainState, build_step_functions, put_batch
 
 T = 24
 TOKENIZER_VOCAB = 300
@@ -122,9 +124,10 @@ def trainer():
 def _forward(model, tokens, seg, attention: str = "auto"):
     """The logits and the trainer's loss sums with the fused and the unfused head (one compile
     per model family, batch structure and attention implementation serves every test)."""
-    with attention_implementation(attention):
-        heads = [model_loss_sums(model, tokens, seg, key=None, inference=True, fused_head=f) for f in (True, False)]
-        return model(tokens, seg, key=None, inference=True), heads
+    fused = plan_for("cpu", jnp.float32, num_devices=1, attention=attention)
+    heads = [model_loss_sums(model, tokens, seg, key=None, inference=True, plan=p)
+             for p in (fused, dataclasses.replace(fused, loss="logits"))]
+    return model(tokens, seg, key=None, inference=True, plan=fused), heads
 
 
 def logits_of(model, tokens: np.ndarray, segment_ids: np.ndarray | None, attention: str = "auto") -> np.ndarray:
@@ -251,7 +254,7 @@ def test_logits_depend_only_on_earlier_tokens_of_the_same_document(corpus, train
     packed document's logits are those of the document alone at the start of a row.
 
     Plain causal rows are checked with both CPU attention paths: the native kernel (``auto``, on
-    one device) and the blocked attention (``xla``, as on several devices); segment ids always
+    one device) and the blocked attention (``blocked``, as on several devices); segment ids always
     take the blocked one."""
     model = trainer(family)[3]
     batch = loader_batch(corpus, packing)
@@ -263,7 +266,7 @@ def test_logits_depend_only_on_earlier_tokens_of_the_same_document(corpus, train
     perturbed = np.tile(row, (T + 1, 1))  # copy p has token p changed; the last copy is unchanged
     perturbed[np.arange(T), np.arange(T)] = (row + 1 + np.arange(T)) % TOKENIZER_VOCAB
     q = np.arange(T)
-    for attention in ("auto",) if seg is not None else ("auto", "xla"):
+    for attention in ("auto",) if seg is not None else ("auto", "blocked"):
         logits = logits_of(model, perturbed, None if seg is None else np.tile(sid, (T + 1, 1)), attention)
         changed = np.abs(logits[:T] - logits[T]).max(axis=-1) > 1e-5  # [p, q]
         for p in range(T):

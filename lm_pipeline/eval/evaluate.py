@@ -20,6 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from lm_pipeline.batch import SequenceDataset
+from lm_pipeline.compute import ComputePlan, plan_for_devices
 from lm_pipeline.eval.bpb import ByteCounter, bits_per_byte, target_mask
 from lm_pipeline.eval.config import resolve_dtype
 from lm_pipeline.eval.loading import (
@@ -71,9 +72,9 @@ class DatasetMetrics:
 
 
 @eqx.filter_jit
-def _token_nll(model: LmModel, tokens: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+def _token_nll(model: LmModel, tokens: jax.Array, segment_ids: jax.Array | None, plan: ComputePlan) -> jax.Array:
     """f32 [B, T-1]: -log p(token t+1 | prefix) at every position (unmasked)."""
-    logits = model(tokens, segment_ids, inference=True)[:, :-1].astype(jnp.float32)
+    logits = model(tokens, segment_ids, inference=True, plan=plan)[:, :-1].astype(jnp.float32)
     picked = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
     return jax.nn.logsumexp(logits, axis=-1) - picked
 
@@ -87,8 +88,12 @@ def evaluate_model(
     compute_dtype: Any = None,
     unigram: UnigramBaseline | np.ndarray | None = None,
     progress: bool | None = None,
+    plan: ComputePlan | None = None,
 ) -> dict[str, DatasetMetrics]:
     """Sum of next-token nats, tokens and bytes per dataset (see :mod:`lm_pipeline.eval`).
+
+    ``plan``: how the model computes; default: the plan for one device of the default backend
+    in the (cast) parameters' dtype (:func:`lm_pipeline.compute.plan_for_devices`).
 
     ``progress``: a tqdm bar per dataset (batches, rate, ETA; its last state is the summary line);
     None = only when stderr is a terminal.
@@ -103,17 +108,20 @@ def evaluate_model(
         from lm_pipeline.train.trainer import cast_floating
 
         model = cast_floating(model, resolve_dtype(compute_dtype))
+    if plan is None:
+        dtype = next(x.dtype for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+        plan = plan_for_devices(jax.devices()[:1], dtype)
     logp = unigram.log_probs if isinstance(unigram, UnigramBaseline) else unigram
     return {
         name: _evaluate_set(model, name, ds, batch_size=batch_size, max_eval_batches=max_eval_batches,
-                            logp=logp, progress=progress)
+                            logp=logp, progress=progress, plan=plan)
         for name, ds in datasets.items()
     }
 
 
 def _evaluate_set(
     model: LmModel, name: str, ds: SequenceDataset, *, batch_size: int, max_eval_batches: int | None,
-    logp: np.ndarray | None, progress: bool | None,
+    logp: np.ndarray | None, progress: bool | None, plan: ComputePlan,
 ) -> DatasetMetrics:
     """:func:`evaluate_model` on one validation set."""
     t0 = time.perf_counter()
@@ -136,7 +144,8 @@ def _evaluate_set(
         batch = ds.get_many(idx)
         toks = np.asarray(batch.tokens, np.int32)
         seg = None if batch.segment_ids is None else np.asarray(batch.segment_ids, np.int32)
-        nll = np.asarray(_token_nll(model, jnp.asarray(toks), None if seg is None else jnp.asarray(seg)), np.float64)
+        seg_ids = None if seg is None else jnp.asarray(seg)
+        nll = np.asarray(_token_nll(model, jnp.asarray(toks), seg_ids, plan), np.float64)
         mask = target_mask(toks, seg)
         mask[real:] = 0.0
         nats += float((nll * mask).sum())

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 
-from lm_pipeline.models.layers import lm_logits
+from lm_pipeline.compute import REFERENCE, ComputePlan
 from lm_pipeline.schema import Choice, ConfigError
 
 
@@ -50,13 +50,15 @@ class LmModel(eqx.Module):
         *,
         key: jax.Array | None = None,
         inference: bool = True,
+        plan: ComputePlan = REFERENCE,
     ) -> jax.Array:
         """tokens int32 [B, T] -> logits [B, T, vocab] in the parameters' dtype.
 
         segment_ids: see :class:`lm_pipeline.batch.LmBatch`; None = plain causal attention.
         key / inference: dropout randomness; dropout is active only when ``inference`` is False.
+        plan: how to compute (:mod:`lm_pipeline.compute`); same values whichever.
         """
-        return lm_logits(*self.features(tokens, segment_ids, key=key, inference=inference))
+        return plan.lm_logits(*self.features(tokens, segment_ids, key=key, inference=inference, plan=plan))
 
     def features(
         self,
@@ -65,12 +67,18 @@ class LmModel(eqx.Module):
         *,
         key: jax.Array | None = None,
         inference: bool = True,
+        plan: ComputePlan = REFERENCE,
     ) -> tuple[jax.Array, jax.Array]:
         """What the LM head multiplies: the final (normed) hidden states ``[B, T, D]`` and the
-        head's weight ``[vocab, D]``; ``__call__`` is :func:`lm_logits` of the two. The
-        trainer's CPU loss takes these directly
-        (:func:`lm_pipeline.train.trainer.fused_head_loss_sums`), so the ``[B, T, vocab]``
-        logits never exist whole."""
+        head's weight ``[vocab, D]``; ``__call__`` is ``plan.lm_logits`` of the two. A plan
+        with the fused head loss takes these directly
+        (:func:`lm_pipeline.train.loss.model_loss_sums`), so the ``[B, T, vocab]`` logits never
+        exist whole."""
+        raise NotImplementedError
+
+    def output_head(self, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The last trunk layer's output ``[B, T, D]`` -> (final-normed hidden states, head weight
+        ``[vocab, D]``): the last step of :meth:`features` and :meth:`decode`."""
         raise NotImplementedError
 
     def param_axes(self) -> Any:
@@ -86,7 +94,9 @@ class LmModel(eqx.Module):
         tokens (default: the config's seq_len); ``dtype`` defaults to the parameters' dtype."""
         raise NotImplementedError
 
-    def decode(self, tokens: jax.Array, cache: Any, position: jax.Array | int) -> tuple[jax.Array, Any]:
+    def decode(
+        self, tokens: jax.Array, cache: Any, position: jax.Array | int, *, plan: ComputePlan = REFERENCE
+    ) -> tuple[jax.Array, Any]:
         """tokens int32 [B, S] at positions ``position .. position + S - 1`` (the same for all rows)
         -> (logits [B, S, vocab], updated cache). Attends to the cache up to each token's position
         (plain causal, no segment ids, no dropout). Static shapes: jit-able with a traced

@@ -38,6 +38,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from lm_pipeline.compute import REFERENCE, ComputePlan
 from lm_pipeline.models.base import (
     LmConfig,
     LmModel,
@@ -54,7 +55,6 @@ from lm_pipeline.models.layers import (
     Mlp,
     decode_mask,
     dropout,
-    lm_logits,
     logical_axes,
     normal,
     scan_blocks,
@@ -145,17 +145,17 @@ class Gpt2Block(eqx.Module):
             std=std, out_std=out_std, key=k_mlp,
         )
 
-    def __call__(self, x, cfg: Gpt2Config, mask, layer_idx, key, kv, position):
+    def __call__(self, x, cfg: Gpt2Config, mask, layer_idx, key, kv, position, plan: ComputePlan):
         k_attn, k_res1, k_res2 = jax.random.split(key, 3) if key is not None else (None, None, None)
         scale: Any = 1.0 / math.sqrt(cfg.head_dim)
         if cfg.scale_attn_by_inverse_layer_idx:
             scale = scale / (layer_idx + 1).astype(F32)
         y, kv = self.attn(
             self.ln_1(x), mask, scale=scale, upcast=cfg.upcast_attn, kv=kv, position=position,
-            dropout_rate=cfg.attn_pdrop if key is not None else 0.0, key=k_attn,
+            dropout_rate=cfg.attn_pdrop if key is not None else 0.0, key=k_attn, plan=plan,
         )
         x = x + dropout(y, cfg.resid_pdrop, k_res1)
-        x = x + dropout(self.mlp(self.ln_2(x)), cfg.resid_pdrop, k_res2)
+        x = x + dropout(self.mlp(self.ln_2(x), plan), cfg.resid_pdrop, k_res2)
         return x, kv
 
 
@@ -179,7 +179,7 @@ class Gpt2Model(LmModel):
         self.ln_f = LayerNorm(config.hidden_dim, config.layer_norm_epsilon, config.use_bias)
         self.config = config
 
-    def features(self, tokens, segment_ids=None, *, key=None, inference=True):
+    def features(self, tokens, segment_ids=None, *, key=None, inference=True, plan: ComputePlan = REFERENCE):
         cfg = self.config
         t = tokens.shape[1]
         if t > cfg.seq_len:
@@ -195,21 +195,21 @@ class Gpt2Model(LmModel):
         x = self.token_embeddings[tokens] + self.position_embeddings[positions]
         x = dropout(x, cfg.embed_pdrop, k_emb)
         layer_keys = jax.random.split(k_layers, cfg.num_layers) if training else None
-        x, _ = self._trunk(x, mask, keys=layer_keys)
-        return self._head(x)
+        x, _ = self._trunk(x, mask, plan, keys=layer_keys)
+        return self.output_head(x)
 
-    def _trunk(self, x, mask, *, keys=None, cache: KVCache | None = None, position: Any = 0):
+    def _trunk(self, x, mask, plan: ComputePlan, *, keys=None, cache: KVCache | None = None, position: Any = 0):
         cfg = self.config
 
         def apply(block, h, inputs):
             idx, key, kv = inputs
-            return block(h, cfg, mask, idx, key, kv, position)
+            return block(h, cfg, mask, idx, key, kv, position, plan)
 
         kv = None if cache is None else (cache.k, cache.v)
         xs = (jnp.arange(cfg.num_layers), keys, kv)
-        return scan_blocks(apply, self.blocks, x, xs, checkpoint=cfg.gradient_checkpointing and cache is None)
+        return scan_blocks(apply, self.blocks, x, xs, checkpoint=cfg.gradient_checkpointing and cache is None, plan=plan)
 
-    def _head(self, x):
+    def output_head(self, x):
         return self.ln_f(x), self.token_embeddings
 
     def param_axes(self):
@@ -223,11 +223,11 @@ class Gpt2Model(LmModel):
         dtype = self.token_embeddings.dtype if dtype is None else dtype
         return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_heads, cfg.head_dim, dtype)
 
-    def decode(self, tokens, cache: KVCache, position):
+    def decode(self, tokens, cache: KVCache, position, *, plan: ComputePlan = REFERENCE):
         """See :meth:`LmModel.decode`. Positions must stay below ``min(seq_len, cache.max_len)``
         (beyond, position embeddings and cache writes are clamped, not checked, inside jit)."""
         s = tokens.shape[1]
         pos_emb = jax.lax.dynamic_slice_in_dim(self.position_embeddings, position, s)
         x = self.token_embeddings[tokens] + pos_emb[None]
-        x, (k, v) = self._trunk(x, decode_mask(position, s, cache.max_len), cache=cache, position=position)
-        return lm_logits(*self._head(x)), KVCache(k, v)
+        x, (k, v) = self._trunk(x, decode_mask(position, s, cache.max_len), plan, cache=cache, position=position)
+        return plan.lm_logits(*self.output_head(x)), KVCache(k, v)

@@ -10,33 +10,25 @@ Conventions:
   ``layers`` in front of everything under a ``blocks`` field (the stacked transformer blocks).
 * Computation stays in the parameters' dtype; norms and the softmax run in float32 and cast
   back.
+* How projections, attention and the layer loop compute is the caller's
+  :class:`~lm_pipeline.compute.ComputePlan`, passed explicitly (``plan=``); nothing here asks
+  which backend it runs on.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import logging
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from lm_pipeline.models import native_attention
-from lm_pipeline.models.blocked_attention import (
-    ATTENTION_RESIDUALS,
-    blocked_causal_attention,
-    num_query_blocks,
-)
+from lm_pipeline.compute import REFERENCE, ComputePlan
 
 F32 = jnp.float32
-_log = logging.getLogger(__name__)
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu": partial(jax.nn.gelu, approximate=False),  # HF "gelu": exact erf form
@@ -134,112 +126,19 @@ class Mlp(eqx.Module):
         self.down_bias = jnp.zeros((dim,), F32) if use_bias else None
         self.activation = activation
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, plan: ComputePlan = REFERENCE) -> jax.Array:
         act = ACTIVATIONS[self.activation]
-        h = _linear(x, self.up_proj, self.up_bias)
+        h = _linear(x, self.up_proj, self.up_bias, plan)
         if self.gate_proj is not None:
-            h = act(_linear(x, self.gate_proj, self.gate_bias)) * h
+            h = act(_linear(x, self.gate_proj, self.gate_bias, plan)) * h
         else:
             h = act(h)
-        return _linear(h, self.down_proj, self.down_bias)
+        return _linear(h, self.down_proj, self.down_bias, plan)
 
 
-def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
-    y = dense(x, w)
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None, plan: ComputePlan) -> jax.Array:
+    y = plan.dense(x, w)
     return y if b is None else y + b
-
-
-DENSE_OUT = "dense_out"
-
-
-def dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x [..., K] @ w [K, N] -> [..., N]``, the projections of attention and the MLP.
-
-    On the CPU backend through :func:`_matmul` (same values, a different weight-gradient
-    layout) with its output named :data:`DENSE_OUT` for the remat policy; elsewhere a plain
-    einsum.
-    """
-    if jax.default_backend() != "cpu":
-        return jnp.einsum("...k,kn->...n", x, w)
-    return checkpoint_name(_matmul(x, w), DENSE_OUT)
-
-
-@jax.custom_vjp
-def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w`` whose weight gradient ``xᵀ g`` goes through :func:`_xt_g` (on the CPU backend:
-    an explicitly transposed operand). The CPU projections and, on every backend, the LM head.
-
-    Autodiff's ``dW = einsum("mk,mn->kn", x, g)`` contracts both operands over their leading
-    axis; XLA:CPU gives that form to Eigen (88–133 GFLOP/s on this project's shapes, against
-    140–180 for the same matmul as ``[K, M] @ [M, N]``, which YNNPACK takes). :func:`_xt_g`
-    transposes an operand into its own buffer first: an MLP's forward + backward measured 1.3x
-    faster (``docs/benchmarks.md``).
-    """
-    return jnp.einsum("...k,kn->...n", x, w)
-
-
-def _matmul_fwd(x, w):
-    return _matmul(x, w), (x, w)
-
-
-def _matmul_bwd(res, g):
-    x, w = res
-    dx = jnp.einsum("...n,kn->...k", g, w)
-    dw = _xt_g(x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]))
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-def _xt_g(x: jax.Array, g: jax.Array) -> jax.Array:
-    """The weight gradient ``x [M, K]ᵀ @ g [M, N] -> [K, N]``.
-
-    On the CPU backend the smaller of the two operands is transposed into its own buffer first
-    (an optimisation barrier keeps XLA from folding the transpose back into the dot), so the
-    product is a plain ``[K, M] @ [M, N]`` (or ``([N, M] @ [M, K])ᵀ``) that YNNPACK computes;
-    the smaller one because XLA:CPU's transpose is a slow single-threaded loop. Elsewhere the
-    einsum as autodiff writes it.
-    """
-    if jax.default_backend() != "cpu":
-        return jnp.einsum("mk,mn->kn", x, g)
-    if x.shape[1] <= g.shape[1]:
-        return jax.lax.optimization_barrier(x.T) @ g
-    return (jax.lax.optimization_barrier(g.T) @ x).T
-
-
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
-
-
-# ----------------------------------------------------------------------------- LM head
-
-
-VOCAB_PAD_MULTIPLE = 128
-"""On accelerators the LM head computes with its vocabulary padded to a multiple of this (zero
-rows, logits sliced back): cuBLAS picks slow kernels for odd widths such as GPT-2's 50257."""
-
-
-def lm_logits(x: jax.Array, w: jax.Array) -> jax.Array:
-    """Logits ``x [B, T, D] @ w[V, D]^T -> [B, T, V]`` (``einsum("btd,vd->btv")``).
-
-    Same values as the einsum; only the backward pass is written by hand. Autodiff computes
-    ``dW = g^T x`` with the contraction over ``g``'s leading (batch x time) axes, and XLA:CPU then
-    writes a transposed copy of ``g``, the largest array of a small model's step, before the dot.
-    ``dW = (x^T g)^T`` reads ``g`` as it lies and transposes only the ``[D, V]`` result
-    (``bench/train_throughput.py``: about 1.1x on a 4-layer, width-128, 8k-vocab GPT-2 step).
-    That product goes through :func:`_xt_g`, which on the CPU backend materialises ``x^T`` so
-    that YNNPACK rather than Eigen computes it (1.05x on the 6-layer, width-384 step).
-
-    Off the CPU, a vocabulary that is not a multiple of :data:`VOCAB_PAD_MULTIPLE` is padded
-    with zero rows for the product and the logits sliced back (XLA fuses both into their
-    neighbours); same values.
-    """
-    on_cpu = jax.default_backend() == "cpu"
-    return _padded_lm_logits(x, w, 0 if on_cpu or VOCAB_PAD_MULTIPLE <= 1 else -w.shape[0] % VOCAB_PAD_MULTIPLE)
-
-
-def _padded_lm_logits(x: jax.Array, w: jax.Array, pad: int) -> jax.Array:
-    """:func:`lm_logits` computed with ``pad`` zero rows appended to ``w`` (sliced off again)."""
-    wp = w if pad == 0 else jnp.pad(w, ((0, pad), (0, 0)))
-    logits = _matmul(x, wp.T)  # dW = (xᵀ g)ᵀ: autodiff transposes only the [D, V] result
-    return logits if pad == 0 else logits[..., : w.shape[0]]
 
 
 # ----------------------------------------------------------------------------- attention
@@ -309,6 +208,7 @@ class Attention(eqx.Module):
         position: jax.Array | int = 0,
         dropout_rate: float = 0.0,
         key: jax.Array | None = None,
+        plan: ComputePlan = REFERENCE,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """x [B, T, D] -> ([B, T, D], updated kv).
 
@@ -316,9 +216,9 @@ class Attention(eqx.Module):
         kv: one layer's cache ``([B, L, K, H], [B, L, K, H])``; the new keys/values are written at
         ``position`` and attention runs over the whole cache (``mask`` must hide the future).
         """
-        q = _proj(x, self.q_proj, self.q_bias)
-        k = _proj(x, self.k_proj, self.k_bias)
-        v = _proj(x, self.v_proj, self.v_bias)
+        q = _proj(x, self.q_proj, self.q_bias, plan)
+        k = _proj(x, self.k_proj, self.k_bias, plan)
+        v = _proj(x, self.v_proj, self.v_bias, plan)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if kv is not None:
@@ -327,18 +227,18 @@ class Attention(eqx.Module):
             kv = (ck, cv)
             k, v = ck.astype(q.dtype), cv.astype(q.dtype)
         o = attention(
-            q, k, v, mask, scale=scale, upcast=upcast, dropout_rate=dropout_rate, key=key, causal=kv is None
+            q, k, v, mask, scale=scale, upcast=upcast, dropout_rate=dropout_rate, key=key, causal=kv is None, plan=plan
         )
         n, h, d = self.o_proj.shape
-        y = dense(o.reshape(*o.shape[:-2], n * h), self.o_proj.reshape(n * h, d))
+        y = plan.dense(o.reshape(*o.shape[:-2], n * h), self.o_proj.reshape(n * h, d))
         if self.o_bias is not None:
             y = y + self.o_bias
         return y, kv
 
 
-def _proj(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+def _proj(x: jax.Array, w: jax.Array, b: jax.Array | None, plan: ComputePlan) -> jax.Array:
     d, n, h = w.shape
-    y = dense(x, w.reshape(d, n * h)).reshape(*x.shape[:-1], n, h)
+    y = plan.dense(x, w.reshape(d, n * h)).reshape(*x.shape[:-1], n, h)
     return y if b is None else y + b
 
 
@@ -353,6 +253,7 @@ def attention(
     dropout_rate: float = 0.0,
     key: jax.Array | None = None,
     causal: bool = False,
+    plan: ComputePlan = REFERENCE,
 ) -> jax.Array:
     """Scaled dot-product attention. q [B, T, N, H], k/v [B, S, K, H] -> [B, T, N, H].
 
@@ -361,120 +262,21 @@ def attention(
     (see :func:`segment_mask`). ``causal`` says that the mask (if any) is itself causal
     self-attention (T == S), as :func:`segment_mask` is.
 
-    Implementations, same values: with attention dropout, an explicit softmax path that drops
-    probabilities; plain causal self-attention in float32 on a single CPU device, the native
-    kernel of :mod:`lm_pipeline.models.native_attention` where it builds; other causal
-    self-attention on the CPU backend,
-    :func:`lm_pipeline.models.blocked_attention.blocked_causal_attention` (skips the masked
-    upper triangle, flash-style backward pass); plain causal self-attention on a GPU in
-    bf16/f16, cuDNN's fused flash attention (see :func:`attention_implementation`); otherwise
-    ``jax.nn.dot_product_attention``'s XLA path. ``upcast`` runs the whole computation in
-    float32.
+    With attention dropout, the explicit :func:`softmax_attention`; causal self-attention as
+    ``plan`` computes it (:meth:`~lm_pipeline.compute.ComputePlan.causal_attention`); anything
+    else (the decode step's cache mask) ``jax.nn.dot_product_attention``. Same values either way.
+    ``upcast`` runs the whole computation in float32.
     """
     dtype = q.dtype
-    # XLA:CPU has no f16 x f16 -> f32 dot, which attention's logits need: compute it in f32 there.
-    if upcast or (dtype == jnp.float16 and jax.default_backend() == "cpu"):
+    if upcast or (dtype == jnp.float16 and plan.f16_attention_in_f32):
         q, k, v = q.astype(F32), k.astype(F32), v.astype(F32)
     if dropout_rate > 0.0 and key is not None:
         out = softmax_attention(q, k, v, mask, scale=scale, dropout_rate=dropout_rate, key=key)
-    elif mask is None and _use_native(q, k, v):
-        out = native_attention.native_causal_attention(q, k, v, scale)
-    elif _use_blocked(q, k, mask, causal):
-        out = blocked_causal_attention(q, k, v, mask, scale)
-    elif mask is None and _use_cudnn(q, k, jax.default_backend()):
-        out = _cudnn_causal_attention(q, k, v, scale)
+    elif (causal or mask is None) and q.shape[1] == k.shape[1]:
+        out = plan.causal_attention(q, k, v, mask, scale)
     else:
         out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None, scale=scale)
     return out.astype(dtype)
-
-
-ATTENTION_ENV = "LM_PIPELINE_ATTENTION"
-_ATTENTION_CHOICES = ("auto", "xla", "cudnn", "native")
-_attention_choice: contextvars.ContextVar[str | None] = contextvars.ContextVar("attention_choice", default=None)
-
-
-@contextlib.contextmanager
-def attention_implementation(choice: str) -> Iterator[None]:
-    """While tracing inside this context, plain causal attention uses ``choice``: ``auto`` (the
-    default: on a GPU cuDNN's fused flash attention where it applies, on a single CPU device
-    in float32 the native kernel of :mod:`lm_pipeline.models.native_attention` where it
-    builds, else XLA), ``xla`` (XLA's path: ``jax.nn.dot_product_attention`` on a GPU, the
-    blocked attention on the CPU), ``cudnn`` or ``native`` (that kernel, failing loudly where
-    it does not apply). Same values either way; only speed and memory differ. Without a
-    context, ``$LM_PIPELINE_ATTENTION`` gives the choice (``auto`` when unset)."""
-    if choice not in _ATTENTION_CHOICES:
-        raise ValueError(f"attention implementation must be one of {_ATTENTION_CHOICES}, got {choice!r}")
-    token = _attention_choice.set(choice)
-    try:
-        yield
-    finally:
-        _attention_choice.reset(token)
-
-
-def _attention_choice_now() -> str:
-    choice = _attention_choice.get()
-    if choice is None:
-        choice = os.environ.get(ATTENTION_ENV, "").strip().lower() or "auto"
-        if choice not in _ATTENTION_CHOICES:
-            raise ValueError(f"${ATTENTION_ENV} must be one of {_ATTENTION_CHOICES}, got {choice!r}")
-    return choice
-
-
-def _use_cudnn(q: jax.Array, k: jax.Array, backend: str) -> bool:
-    """cuDNN's flash attention takes causal self-attention on a GPU in bf16/f16 with a head size
-    that is a multiple of 8 up to 128 (what cuDNN 9's fused kernels cover on Ampere and Hopper)."""
-    choice = _attention_choice_now()
-    if choice == "xla" or backend != "gpu":
-        return False
-    if choice == "cudnn":
-        return True
-    head = q.shape[-1]
-    return (
-        q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[1] == k.shape[1]
-        and head % 8 == 0 and head <= 128
-    )
-
-
-def _cudnn_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | jax.Array) -> jax.Array:
-    """Causal attention through cuDNN; under ``auto``, XLA's path where this JAX/cuDNN refuses."""
-    try:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="cudnn")
-    except (NotImplementedError, RuntimeError, ValueError) as err:
-        if _attention_choice_now() == "cudnn":
-            raise
-        _log.warning("cuDNN attention unavailable (%s); using XLA's attention", err)
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale)
-
-
-def _use_native(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
-    """Plain causal self-attention in float32 on a process with one CPU device takes the native
-    kernel (``auto``: where it builds). Several devices keep XLA's path, which the SPMD
-    partitioner shards; the kernel is one opaque custom call."""
-    choice = _attention_choice_now()
-    if choice in ("xla", "cudnn") or jax.default_backend() != "cpu":
-        return False
-    applies = (
-        q.dtype == F32 and k.dtype == F32 and v.dtype == F32 and q.ndim == 4
-        and q.shape[1] == k.shape[1] and jax.device_count() == 1
-    )
-    if choice == "native":
-        if not applies:
-            raise ValueError(
-                f"{ATTENTION_ENV}=native: the native kernel takes float32 causal self-attention on a single "
-                f"CPU device; got q {q.dtype}{tuple(q.shape)}, k {tuple(k.shape)} on {jax.device_count()} devices"
-            )
-        native_attention.load()  # raises NativeAttentionUnavailable with the reason
-        return True
-    return applies and native_attention.available()
-
-
-def _use_blocked(q: jax.Array, k: jax.Array, mask: jax.Array | None, causal: bool) -> bool:
-    """Causal self-attention on the CPU backend takes the blocked path, except a single query
-    block in a low-precision dtype (nothing to skip; its f32 backward measured 0.95x of XLA's
-    bf16 one on the tiny shape of ``bench/train_throughput.py``, while in f32 it measured 1.06x)."""
-    if not (causal or mask is None) or q.shape[1] != k.shape[1] or jax.default_backend() != "cpu":
-        return False
-    return q.dtype == F32 or num_query_blocks(q.shape[1]) > 1
 
 
 def softmax_attention(
@@ -563,40 +365,6 @@ def stack_blocks(make: Callable[[jax.Array], eqx.Module], num_layers: int, key: 
     return eqx.filter_vmap(make)(jax.random.split(key, num_layers))
 
 
-_LAYER_REMAT_POLICY: contextvars.ContextVar[Callable[..., bool] | None] = contextvars.ContextVar(
-    "layer_remat_policy", default=None
-)
-
-
-def matmuls_and_attention_saveable() -> Callable[..., bool]:
-    """Remat policy: keep every matmul output, the CPU projections' outputs (:data:`DENSE_OUT`:
-    a custom VJP, not a ``dot_general``) and the blocked attention's own residuals (its output
-    and log-sum-exp, :data:`~lm_pipeline.models.blocked_attention.ATTENTION_RESIDUALS`);
-    recompute the elementwise work between them. Without the names, those forward matmuls
-    would run again in the backward pass."""
-    return jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_saveable,
-        jax.checkpoint_policies.save_only_these_names(*ATTENTION_RESIDUALS, DENSE_OUT),
-    )
-
-
-@contextlib.contextmanager
-def layer_remat_policy(policy: Callable[..., bool] | None) -> Iterator[None]:
-    """While tracing inside this context, :func:`scan_blocks` calls without ``checkpoint`` wrap
-    each layer in ``jax.checkpoint(policy=policy)`` (e.g. ``jax.checkpoint_policies.dots_saveable``:
-    keep matmul outputs, recompute the elementwise work between them in the backward pass).
-
-    Values are unchanged; only what is stored for the backward pass. A caller that knows the
-    backend (the trainer) sets it; a model called directly never rematerialises unless its
-    config asks for gradient checkpointing.
-    """
-    token = _LAYER_REMAT_POLICY.set(policy)
-    try:
-        yield
-    finally:
-        _LAYER_REMAT_POLICY.reset(token)
-
-
 def scan_blocks(
     apply: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]],
     blocks: Any,
@@ -604,25 +372,15 @@ def scan_blocks(
     xs: Any,
     *,
     checkpoint: bool,
+    plan: ComputePlan = REFERENCE,
 ) -> tuple[jax.Array, Any]:
     """``x = apply(block_i, x, xs[i])`` for each stacked block, with ``jax.lax.scan``.
 
     ``apply`` returns ``(x, y)``; the ``y`` are stacked. With ``checkpoint`` each layer is
     rematerialised in the backward pass, saving only the residual stream between layers
-    (policy ``nothing_saveable``: activation memory O(layers x B x T x D)).
-
-    Without ``checkpoint``, on the CPU backend, stacks of at most :data:`UNROLL_MAX_LAYERS`
-    layers computing in a low-precision dtype (bf16) are unrolled (same results): XLA:CPU
-    computes bf16 elementwise ops in f32, so in a scan every residual saved for the backward
-    pass goes through an f32 -> bf16 convert into its stacked buffer and back; unrolled, those
-    converts fuse into their consumers (1.2x on the 4- and 6-layer bf16 GPT-2 steps of
-    ``bench/train_throughput.py``, see ``docs/benchmarks.md``). In f32 unrolling measured no
-    better than the scan (the trainer saves only matmul outputs there instead, through
-    :func:`layer_remat_policy`, which takes precedence over unrolling).
-    On other backends (GPU, TPU), stacks of at most :data:`ACCELERATOR_UNROLL_MAX_LAYERS`
-    layers are unrolled when not checkpointed. With checkpointing the scan stays: only the block
-    inputs are stacked then, and unrolling (with ``prevent_cse``) measured the same step time on
-    an H100 with a 3-6x longer compile.
+    (policy ``nothing_saveable``: activation memory O(layers x B x T x D)). Otherwise the plan's
+    remat policy, if any, wraps each layer, and without one the plan says whether the stack is
+    unrolled (same results; see :class:`~lm_pipeline.compute.ComputePlan`).
     """
     params, static = eqx.partition(blocks, eqx.is_array)
     leaves = jax.tree.leaves(params)
@@ -633,29 +391,14 @@ def scan_blocks(
         return apply(eqx.combine(p, static), h, extra)
 
     unroll: bool | int = 1
-    policy = _LAYER_REMAT_POLICY.get()
+    policy = plan.remat_policy()
     if checkpoint:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
     elif policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     else:
-        unroll = _unroll_plain_stack(jax.default_backend(), x.dtype, num_layers)
+        unroll = plan.unroll(num_layers)
     return jax.lax.scan(body, x, (params, xs), unroll=unroll)
-
-
-def _unroll_plain_stack(backend: str, dtype: Any, num_layers: int) -> bool:
-    """Whether :func:`scan_blocks` unrolls a stack that is neither checkpointed nor under a policy."""
-    if backend == "cpu":
-        return dtype != jnp.float32 and num_layers <= UNROLL_MAX_LAYERS
-    return num_layers <= ACCELERATOR_UNROLL_MAX_LAYERS
-
-
-UNROLL_MAX_LAYERS = 8
-ACCELERATOR_UNROLL_MAX_LAYERS = 48
-"""Without checkpointing, a GPU/TPU stack of at most this many layers is unrolled: a scan
-slices each layer's parameters out of the stacked arrays and writes each saved activation and
-each gradient into stacked buffers, copies that took 20% of a GPT-2 124M step and 30% of a
-350M Llama step on an H100 (``bench/gpu_mfu.py``, ``docs/benchmarks.md``)."""
 
 
 # ----------------------------------------------------------------------------- parameter trees

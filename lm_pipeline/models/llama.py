@@ -38,6 +38,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from lm_pipeline.compute import REFERENCE, ComputePlan
 from lm_pipeline.models.base import (
     LmConfig,
     LmModel,
@@ -51,7 +52,6 @@ from lm_pipeline.models.layers import (
     Mlp,
     RmsNorm,
     decode_mask,
-    lm_logits,
     logical_axes,
     normal,
     rotary_cos_sin,
@@ -155,13 +155,13 @@ class LlamaBlock(eqx.Module):
             std=std, out_std=std, key=k_mlp,
         )
 
-    def __call__(self, x, cfg: LlamaConfig, mask, rope, kv, position):
+    def __call__(self, x, cfg: LlamaConfig, mask, rope, kv, position, plan: ComputePlan):
         y, kv = self.self_attn(
             self.input_layernorm(x), mask, scale=cfg.head_size**-0.5, upcast=cfg.upcast_attn,
-            rope=rope, kv=kv, position=position,
+            rope=rope, kv=kv, position=position, plan=plan,
         )
         x = x + y
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), plan)
         return x, kv
 
 
@@ -185,27 +185,27 @@ class LlamaModel(LmModel):
         self.lm_head = None if config.tie_word_embeddings else normal(k_head, (vocab_size, d), std)
         self.config = config
 
-    def features(self, tokens, segment_ids=None, *, key=None, inference=True):
+    def features(self, tokens, segment_ids=None, *, key=None, inference=True, plan: ComputePlan = REFERENCE):
         del key, inference  # Llama has no dropout
         t = tokens.shape[1]
         if segment_ids is None:
             positions, mask = jnp.arange(t)[None], None
         else:
             positions, mask = segment_positions(segment_ids), segment_mask(segment_ids)
-        x, _ = self._trunk(self.token_embeddings[tokens], mask, positions)
-        return self._head(x)
+        x, _ = self._trunk(self.token_embeddings[tokens], mask, positions, plan)
+        return self.output_head(x)
 
-    def _trunk(self, x, mask, positions, *, cache: KVCache | None = None, position: Any = 0):
+    def _trunk(self, x, mask, positions, plan: ComputePlan, *, cache: KVCache | None = None, position: Any = 0):
         cfg = self.config
         rope = rotary_cos_sin(positions, cfg.head_size, cfg.rope_theta)
 
         def apply(block, h, kv):
-            return block(h, cfg, mask, rope, kv, position)
+            return block(h, cfg, mask, rope, kv, position, plan)
 
         kv = None if cache is None else (cache.k, cache.v)
-        return scan_blocks(apply, self.blocks, x, kv, checkpoint=cfg.gradient_checkpointing and cache is None)
+        return scan_blocks(apply, self.blocks, x, kv, checkpoint=cfg.gradient_checkpointing and cache is None, plan=plan)
 
-    def _head(self, x):
+    def output_head(self, x):
         return self.norm(x), self.token_embeddings if self.lm_head is None else self.lm_head
 
     def param_axes(self):
@@ -217,11 +217,11 @@ class LlamaModel(LmModel):
         dtype = self.token_embeddings.dtype if dtype is None else dtype
         return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_size, dtype)
 
-    def decode(self, tokens, cache: KVCache, position):
+    def decode(self, tokens, cache: KVCache, position, *, plan: ComputePlan = REFERENCE):
         """See :meth:`LmModel.decode`. Positions must stay below ``cache.max_len`` (cache writes
         past the end are clamped, not checked, inside jit)."""
         s = tokens.shape[1]
         positions = (position + jnp.arange(s))[None]
         mask = decode_mask(position, s, cache.max_len)
-        x, (k, v) = self._trunk(self.token_embeddings[tokens], mask, positions, cache=cache, position=position)
-        return lm_logits(*self._head(x)), KVCache(k, v)
+        x, (k, v) = self._trunk(self.token_embeddings[tokens], mask, positions, plan, cache=cache, position=position)
+        return plan.lm_logits(*self.output_head(x)), KVCache(k, v)

@@ -171,8 +171,9 @@ def train(
     batches = Prefetcher(source, start, num_steps=num_steps - start, depth=2, put=lambda b: put_batch(b, plan))
     try:
         for step, (toks, seg) in batches:
+            step_fn = fns.poisoned_train_step if step + 1 in fns.poisoned_steps else fns.train_step
             with plan.mesh:
-                state, metrics = fns.train_step(state, toks, seg)
+                state, metrics = step_fn(state, toks, seg)
             done = step + 1
             faultpoint("train.after_step")
             window_steps += 1

@@ -11,13 +11,13 @@ import numpy as np
 
 from lm_pipeline.batch import ArrayDataset, StepBatchSource
 from lm_pipeline.config import load_config
-from lm_pipeline.train import trainer
+from lm_pipeline.kernels.cpu import fused_head_loss
 from lm_pipeline.train.sharding import make_mesh
 from lm_pipeline.train.trainer import build_step_functions, put_batch
 
 # Small head chunks, so that the CPU's fused LM head + loss runs in several chunks (8 for the
 # 16 x 32 batch) under every mesh, sharded batch and vocabulary included.
-trainer.HEAD_CHUNK_ROWS = 64
+fused_head_loss.HEAD_CHUNK_ROWS = 64
 
 STEPS = 20
 

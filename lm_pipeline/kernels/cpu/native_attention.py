@@ -1,25 +1,23 @@
 """Causal self-attention on the CPU as a native XLA FFI kernel, built at first use.
 
-XLA:CPU runs attention's many small batched products (per batch x head: ``[64, 64] @ [64, T]``
-and the like) at 40-75 GFLOP/s on a 2-core AVX2 machine, where PyTorch's ``bmm`` reaches
-120-140 (``docs/benchmarks.md``). ``native/cpu_attention.cc`` computes the whole causal
-attention of one (batch, head) pair per task on XLA's own intra-op thread pool: query blocks
-of 64 rows, register-blocked ``6 x 16`` products, the softmax (forward) and ``P * (dP - delta)``
-(backward) fused between them, reading q/k/v in the model's ``[B, T, heads, H]`` layout.
-Forward + backward of one layer of the medium benchmark shape (B 8, T 256, 6 heads of 64)
-took 26 ms against 46 ms for :mod:`lm_pipeline.models.blocked_attention`.
+XLA:CPU runs attention's many small batched products (per batch x head) far below the
+machine's matmul rate. ``native/cpu_attention.cc`` computes the whole causal attention of one
+(batch, head) pair per task on XLA's own intra-op thread pool: query blocks of 64 rows,
+register-blocked ``6 x 16`` products, the softmax (forward) and ``P * (dP - delta)`` (backward)
+fused between them, reading q/k/v in the model's ``[B, T, heads, H]`` layout. Measurements are
+in ``docs/benchmarks.md``.
 
 The source is compiled once per machine with the system C++ compiler (``$CXX``, else ``c++``
 or ``g++``; ``-O3 -march=native``) into ``~/.cache/lm_pipeline/native`` (or
 ``$LM_PIPELINE_NATIVE_DIR``), keyed by a hash of the source, the compiler, the JAX version
 and the CPU's flags, written atomically. Without a compiler, or when the build fails, a
-warning is logged once and attention keeps the XLA path (same values; slower).
-``LM_PIPELINE_ATTENTION=xla`` also keeps the XLA path; ``=native`` requires this kernel.
+warning is logged once and the compute plan keeps the blocked attention (same values; slower).
 
-Used by :func:`lm_pipeline.models.layers.attention` for plain causal self-attention (no
-packing mask, no dropout) in float32 on a process with a single CPU device; the forward's
-output and log-sum-exp carry :data:`~lm_pipeline.models.blocked_attention.ATTENTION_RESIDUALS`
-names so that the layer remat policy keeps them.
+Chosen by :class:`lm_pipeline.compute.ComputePlan` (attention ``cpu_native``) for plain causal
+self-attention (no packing mask, no dropout) in float32 on a mesh of one CPU device; the
+forward's output and log-sum-exp carry the
+:data:`~lm_pipeline.kernels.cpu.blocked_attention.ATTENTION_RESIDUALS` names so that the
+layer remat policy keeps them.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lm_pipeline.models.blocked_attention import ATTENTION_RESIDUALS
+from lm_pipeline.kernels.cpu.blocked_attention import ATTENTION_RESIDUALS
 
 _log = logging.getLogger(__name__)
 
@@ -125,7 +123,7 @@ def load() -> Path:
                 _state.update(ok=True, path=path, lib=lib)
             except (NativeAttentionUnavailable, OSError, subprocess.SubprocessError, AttributeError) as err:
                 _state.update(ok=False, error=str(err))
-                _log.warning("native CPU attention unavailable, using XLA's attention (slower): %s", err)
+                _log.warning("native CPU attention unavailable, using the blocked attention (slower): %s", err)
         if not _state["ok"]:
             raise NativeAttentionUnavailable(str(_state["error"]))
         return _state["path"]  # type: ignore[return-value]

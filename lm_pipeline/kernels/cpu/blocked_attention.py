@@ -3,9 +3,8 @@
 ``jax.nn.dot_product_attention`` on the CPU backend is XLA's plain composition: it computes
 the whole ``T x S`` score map (the masked upper triangle included), a softmax whose backward
 autodiff writes as several passes over that map, and transposes of q/k/v/o around each
-matmul. On a 2-core CPU that was 28% of a 6-layer, width-384, context-256 GPT-2 train step
-(``bench/train_throughput.py``, ``docs/benchmarks.md``). This function computes the same
-values with less work:
+matmul (a large share of a small model's CPU step: ``docs/benchmarks.md``). This function
+computes the same values with less work:
 
 * **Causal block skipping.** Queries are split into ``n`` blocks; block ``i`` multiplies only
   against the keys it can see (``0 .. end of block i``), so the score work is
@@ -18,9 +17,9 @@ values with less work:
   probabilities with one ``exp`` and gets ``dS = P * (dP - rowsum(dO * O))`` in one pass.
 
 Values and gradients equal ``jax.nn.dot_product_attention``'s up to float rounding
-(``tests/test_blocked_attention.py``). Used by :func:`lm_pipeline.models.layers.attention` for causal
-self-attention without dropout on the CPU backend; accelerators keep
-``jax.nn.dot_product_attention`` (cuDNN / fused kernels).
+(``tests/test_blocked_attention.py``). Chosen by :class:`lm_pipeline.compute.ComputePlan`
+(attention ``cpu_blocked``, and ``cpu_native`` where the native kernel does not apply) for causal
+self-attention without dropout on CPU meshes; accelerators keep ``jax.nn.dot_product_attention``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,261 @@
+"""How a step computes, decided once: the one seam between the models and the platform.
+
+A :class:`ComputePlan` says which attention, matmul, loss and layer-loop forms a computation
+uses. :func:`plan_for_mesh` decides it once from the mesh the step runs on (its platform and
+size), the compute dtype and ``$LM_PIPELINE_ATTENTION``; the trainer, the evaluator and text
+generation pass it explicitly to the models (``model(tokens, plan=...)``), which call
+:meth:`ComputePlan.dense`, :meth:`ComputePlan.causal_attention` and
+:meth:`ComputePlan.lm_logits` instead of asking which backend they run on. A model called
+without a plan computes with :data:`REFERENCE`, plain XLA operations that run anywhere.
+
+Every choice gives the same values up to float rounding; only speed and memory differ. The
+CPU kernels live in :mod:`lm_pipeline.kernels.cpu` and are imported here and nowhere else:
+removing that package means removing the ``cpu_*`` choices below, nothing in the models.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+ATTENTION_ENV = "LM_PIPELINE_ATTENTION"
+ATTENTION_CHOICES = ("auto", "xla", "cudnn", "native", "blocked")
+
+AttentionKind = Literal["xla", "cudnn", "cpu_blocked", "cpu_native"]
+
+CPU_UNROLL_MAX_LAYERS = 8
+"""On CPU, a low-precision (bf16) stack of at most this many layers that is neither checkpointed
+nor under a remat policy is unrolled: XLA:CPU computes bf16 elementwise ops in f32, and in a scan
+every saved residual goes through a convert into its stacked buffer and back."""
+
+ACCELERATOR_UNROLL_MAX_LAYERS = 48
+"""On GPU/TPU, a stack of at most this many layers that is not checkpointed is unrolled: a scan
+slices each layer's parameters out of the stacked arrays and writes each saved activation and
+gradient into stacked buffers (``docs/benchmarks.md``)."""
+
+VOCAB_PAD_MULTIPLE = 128
+"""On accelerators the LM head computes with its vocabulary padded to a multiple of this (zero
+rows, logits sliced back): cuBLAS picks slow kernels for odd widths such as GPT-2's 50257."""
+
+
+@dataclass(frozen=True)
+class ComputePlan:
+    """How the model and the step compute. Hashable: a static argument of jitted functions.
+
+    Attributes:
+        platform: the mesh's platform (``cpu``, ``gpu``, ``tpu``), or ``any`` for :data:`REFERENCE`.
+        attention: causal self-attention's form: ``xla`` (``jax.nn.dot_product_attention``),
+            ``cudnn`` (cuDNN's flash attention where it applies), ``cpu_blocked`` (query blocks,
+            flash-style backward) or ``cpu_native`` (the C++ kernel where it applies, else
+            blocked).
+        strict_attention: the attention was asked for by name (``$LM_PIPELINE_ATTENTION``):
+            fail where it cannot apply instead of falling back.
+        matmul: ``xla`` (einsum) or ``cpu`` (a weight gradient XLA:CPU computes fast).
+        loss: ``logits`` (the model's logits, then cross-entropy) or ``cpu_fused_head`` (head and
+            cross-entropy in chunks, no ``[B, T, V]`` logits).
+        remat: ``none``, or ``cpu_dots``: layers the model does not checkpoint keep only matmul
+            and attention outputs for the backward pass and recompute the elementwise work.
+        unroll_max_layers: a stack of at most this many layers that is neither checkpointed nor
+            under a remat policy is unrolled instead of scanned (0: always scanned).
+        vocab_pad_multiple: the LM head pads the vocabulary to a multiple of this (1: no padding).
+        f16_attention_in_f32: attention of float16 inputs computes in float32 (XLA:CPU has no
+            f16 x f16 -> f32 dot).
+    """
+
+    platform: str = "any"
+    attention: AttentionKind = "xla"
+    strict_attention: bool = False
+    matmul: Literal["xla", "cpu"] = "xla"
+    loss: Literal["logits", "cpu_fused_head"] = "logits"
+    remat: Literal["none", "cpu_dots"] = "none"
+    unroll_max_layers: int = 0
+    vocab_pad_multiple: int = 1
+    f16_attention_in_f32: bool = True
+
+    # --- what the models call -----------------------------------------------------------------
+
+    def dense(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        """A projection ``x [..., K] @ w [K, N] -> [..., N]``."""
+        if self.matmul == "cpu":
+            from lm_pipeline.kernels.cpu import matmul
+
+            return matmul.dense(x, w)
+        return jnp.einsum("...k,kn->...n", x, w)
+
+    def lm_logits(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        """Logits ``x [B, T, D] @ w [V, D]ᵀ -> [B, T, V]`` in the inputs' dtype."""
+        pad = -w.shape[0] % self.vocab_pad_multiple
+        wp = w if pad == 0 else jnp.pad(w, ((0, pad), (0, 0)))
+        if self.matmul == "cpu":
+            from lm_pipeline.kernels.cpu import matmul
+
+            logits = matmul.lm_logits(x, wp)
+        else:
+            logits = jnp.einsum("btd,vd->btv", x, wp)
+        return logits if pad == 0 else logits[..., : w.shape[0]]
+
+    def causal_attention(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, scale: float | jax.Array
+    ) -> jax.Array:
+        """Causal self-attention, q ``[B, T, N, H]``, k/v ``[B, T, K, H]`` -> ``[B, T, N, H]``.
+
+        ``mask``: None (plain causal) or a boolean mask broadcastable to ``[B, 1, T, T]`` that is
+        itself causal (:func:`lm_pipeline.models.layers.segment_mask`).
+        """
+        if self.attention == "cpu_native" and mask is None:
+            from lm_pipeline.kernels.cpu import native_attention
+
+            if q.dtype == F32 and k.dtype == F32 and v.dtype == F32:
+                return native_attention.native_causal_attention(q, k, v, scale)
+            if self.strict_attention:
+                raise ValueError(
+                    f"{ATTENTION_ENV}=native: the native kernel takes float32 inputs; got q {q.dtype}, "
+                    f"k {k.dtype}, v {v.dtype}"
+                )
+        if self.attention in ("cpu_native", "cpu_blocked"):
+            from lm_pipeline.kernels.cpu import blocked_attention
+
+            # A single query block in a low-precision dtype has nothing to skip, and XLA's own
+            # bf16 path measured faster there.
+            if q.dtype == F32 or blocked_attention.num_query_blocks(q.shape[1]) > 1:
+                return blocked_attention.blocked_causal_attention(q, k, v, mask, scale)
+        if self.attention == "cudnn" and mask is None and (self.strict_attention or _cudnn_applies(q)):
+            try:
+                return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="cudnn")
+            except (NotImplementedError, RuntimeError, ValueError):
+                if self.strict_attention:
+                    raise
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None, scale=scale)
+
+    def remat_policy(self) -> Callable[..., bool] | None:
+        """The ``jax.checkpoint`` policy for layers the model does not checkpoint, or None."""
+        if self.remat == "cpu_dots":
+            from lm_pipeline.kernels.cpu import matmul
+
+            return matmul.matmuls_and_attention_saveable()
+        return None
+
+    def unroll(self, num_layers: int) -> bool:
+        """Whether a plain (not checkpointed, no remat policy) stack of ``num_layers`` is unrolled."""
+        return 0 < num_layers <= self.unroll_max_layers
+
+    # --- what the loss calls ------------------------------------------------------------------
+
+    def head_xent_sum(self, hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+        """The ``cpu_fused_head`` loss: ``sum(mask * xent(hidden @ headᵀ, targets))`` in f32."""
+        from lm_pipeline.kernels.cpu import fused_head_loss
+
+        return fused_head_loss.fused_head_xent_sum(hidden, head, targets, mask)
+
+
+REFERENCE = ComputePlan()
+"""Plain XLA operations on any platform: what a model computes when called without a plan."""
+
+
+def _cudnn_applies(q: jax.Array) -> bool:
+    """cuDNN's fused kernels cover bf16/f16 with a head size that is a multiple of 8 up to 128."""
+    head = q.shape[-1]
+    return q.dtype in (jnp.bfloat16, jnp.float16) and head % 8 == 0 and head <= 128
+
+
+def attention_choice(choice: str | None = None) -> str:
+    """``choice``, else ``$LM_PIPELINE_ATTENTION``, else ``auto``; validated."""
+    name = "attention" if choice is not None else f"${ATTENTION_ENV}"
+    if choice is None:
+        choice = os.environ.get(ATTENTION_ENV, "").strip().lower() or "auto"
+    if choice not in ATTENTION_CHOICES:
+        raise ValueError(f"{name} must be one of {', '.join(ATTENTION_CHOICES)}; got {choice!r}")
+    return choice
+
+
+def plan_for(
+    platform: str, compute_dtype: Any, *, num_devices: int = 1, loss_scaling: bool = False, attention: str | None = None
+) -> ComputePlan:
+    """The plan for a mesh of ``num_devices`` devices of ``platform`` computing in ``compute_dtype``.
+
+    ``loss_scaling``: f16 dynamic loss scaling is on (the fused head's cotangent would be cast to
+    f16 before it is scaled, so the logits path is kept). ``attention``: one of
+    :data:`ATTENTION_CHOICES`, default ``$LM_PIPELINE_ATTENTION`` or ``auto``.
+    """
+    choice = attention_choice(attention)
+    f32 = jnp.dtype(compute_dtype) == jnp.float32
+    if platform == "cpu":
+        return ComputePlan(
+            platform="cpu",
+            attention=_cpu_attention(choice, f32, num_devices),
+            strict_attention=choice == "native",
+            matmul="cpu",
+            loss="logits" if loss_scaling else "cpu_fused_head",
+            remat="cpu_dots" if f32 else "none",
+            unroll_max_layers=0 if f32 else CPU_UNROLL_MAX_LAYERS,
+            vocab_pad_multiple=1,
+            f16_attention_in_f32=True,
+        )
+    if choice in ("native", "blocked"):
+        raise ValueError(f"{ATTENTION_ENV}={choice} is a CPU kernel; this mesh's platform is {platform}")
+    if choice == "cudnn" and platform != "gpu":
+        raise ValueError(f"{ATTENTION_ENV}=cudnn needs a GPU; this mesh's platform is {platform}")
+    low_precision = jnp.dtype(compute_dtype) in (jnp.bfloat16, jnp.float16)
+    cudnn = platform == "gpu" and (choice == "cudnn" or (choice == "auto" and low_precision))
+    return ComputePlan(
+        platform=platform,
+        attention="cudnn" if cudnn else "xla",
+        strict_attention=choice == "cudnn",
+        unroll_max_layers=ACCELERATOR_UNROLL_MAX_LAYERS,
+        vocab_pad_multiple=VOCAB_PAD_MULTIPLE,
+        f16_attention_in_f32=False,
+    )
+
+
+def _cpu_attention(choice: str, f32: bool, num_devices: int) -> AttentionKind:
+    """The native kernel takes plain causal f32 attention on one device (the SPMD partitioner
+    cannot shard its opaque custom call); the blocked path takes the rest."""
+    from lm_pipeline.kernels.cpu import native_attention
+
+    if choice == "xla":
+        return "xla"
+    if choice == "cudnn":
+        raise ValueError(f"{ATTENTION_ENV}=cudnn needs a GPU; this mesh's platform is cpu")
+    if choice == "native":
+        if not f32 or num_devices != 1:
+            raise ValueError(
+                f"{ATTENTION_ENV}=native: the native kernel takes float32 causal self-attention on a single "
+                f"CPU device; got {'float32' if f32 else 'a low-precision dtype'} on {num_devices} devices"
+            )
+        native_attention.load()  # raises NativeAttentionUnavailable with the reason
+        return "cpu_native"
+    if choice == "auto" and f32 and num_devices == 1 and native_attention.available():
+        return "cpu_native"
+    return "cpu_blocked"
+
+
+def mesh_platform(mesh: jax.sharding.Mesh) -> str:
+    """The one platform of ``mesh``'s devices (a mesh never mixes platforms)."""
+    platforms = {d.platform for d in mesh.devices.flat}
+    if len(platforms) != 1:
+        raise ValueError(f"a mesh's devices must share one platform; got {sorted(platforms)}")
+    return platforms.pop()
+
+
+def plan_for_mesh(
+    mesh: jax.sharding.Mesh, compute_dtype: Any, *, loss_scaling: bool = False, attention: str | None = None
+) -> ComputePlan:
+    """:func:`plan_for` the platform and size of ``mesh``."""
+    return plan_for(
+        mesh_platform(mesh), compute_dtype, num_devices=mesh.size, loss_scaling=loss_scaling, attention=attention
+    )
+
+
+def plan_for_devices(devices: Any, compute_dtype: Any, *, attention: str | None = None) -> ComputePlan:
+    """:func:`plan_for` a list of devices (e.g. ``jax.devices()[:1]`` for a one-device evaluation)."""
+    devices = list(devices)
+    platforms = {d.platform for d in devices}
+    if len(platforms) != 1:
+        raise ValueError(f"devices must share one platform; got {sorted(platforms)}")
+    return plan_for(platforms.pop(), compute_dtype, num_devices=len(devices), attention=attention)

@@ -1,0 +1,78 @@
+"""Matmuls whose weight gradient XLA:CPU computes with its fast kernel, and their remat policy.
+
+Autodiff writes a projection's weight gradient as ``einsum("mk,mn->kn", x, g)``, contracting
+both operands over their leading axis; XLA:CPU hands that form to Eigen, which is much slower
+on this project's shapes than the same product as a plain ``[K, M] @ [M, N]`` (taken by
+YNNPACK). :func:`matmul` has the same forward values and a hand-written backward that
+transposes the smaller operand into its own buffer first (``docs/benchmarks.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from lm_pipeline.kernels.cpu.blocked_attention import ATTENTION_RESIDUALS
+
+DENSE_OUT = "dense_out"
+"""The name :func:`dense` gives its output, so that :func:`matmuls_and_attention_saveable` keeps it
+(a custom VJP is not a ``dot_general``, which ``dots_saveable`` would recognise)."""
+
+
+@jax.custom_vjp
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x [..., K] @ w [K, N] -> [..., N]``; the weight gradient goes through :func:`xt_g`."""
+    return jnp.einsum("...k,kn->...n", x, w)
+
+
+def _matmul_fwd(x, w):
+    return matmul(x, w), (x, w)
+
+
+def _matmul_bwd(res, g):
+    x, w = res
+    dx = jnp.einsum("...n,kn->...k", g, w)
+    dw = xt_g(x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]))
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def xt_g(x: jax.Array, g: jax.Array) -> jax.Array:
+    """The weight gradient ``x [M, K]ᵀ @ g [M, N] -> [K, N]`` as a plain product.
+
+    The smaller of the two operands is transposed into its own buffer first (an optimisation
+    barrier keeps XLA from folding the transpose back into the dot); the smaller one because
+    XLA:CPU's transpose is a slow single-threaded loop.
+    """
+    if x.shape[1] <= g.shape[1]:
+        return jax.lax.optimization_barrier(x.T) @ g
+    return (jax.lax.optimization_barrier(g.T) @ x).T
+
+
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """A projection ``x [..., K] @ w [K, N]`` through :func:`matmul`, its output named
+    :data:`DENSE_OUT` for the remat policy."""
+    return checkpoint_name(matmul(x, w), DENSE_OUT)
+
+
+def lm_logits(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Logits ``x [B, T, D] @ w [V, D]ᵀ -> [B, T, V]``. The weight gradient is computed as
+    ``(xᵀ g)ᵀ``: ``g``, the largest array of a small model's step, is read as it lies and only
+    the ``[D, V]`` result is transposed."""
+    return matmul(x, w.T)
+
+
+def matmuls_and_attention_saveable() -> Callable[..., bool]:
+    """Remat policy: keep every matmul output, the projections' outputs (:data:`DENSE_OUT`) and
+    the attention kernels' residuals (their output and log-sum-exp); recompute the elementwise
+    work between them. Without the names, those forward products would run again in the
+    backward pass."""
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable,
+        jax.checkpoint_policies.save_only_these_names(*ATTENTION_RESIDUALS, DENSE_OUT),
+    )
