@@ -178,7 +178,5 @@ def test_parsing_imports_no_optimizer_evaluation_or_export_code(modules_after_pa
     assert heavy == []
 
 
-@pytest.mark.xfail(strict=True, reason="the model configs (lm_pipeline.models: base.py, gpt2.py, llama.py) and "
-                   "CheckpointerConfig (lm_pipeline.train.checkpoint) still import JAX and Equinox")
 def test_parsing_imports_no_jax_equinox_or_optax(modules_after_parsing):
     assert [m for m in modules_after_parsing if m.split(".")[0] in ("jax", "equinox", "optax")] == []

@@ -1,8 +1,36 @@
-"""Model families. Importing this package registers every member of :class:`LmConfig`."""
+"""Model families. Importing this package registers every member of :class:`LmConfig`.
 
-from lm_pipeline.models.base import LmConfig, LmModel
-from lm_pipeline.models.gpt2 import Gpt2Config, Gpt2Model
-from lm_pipeline.models.layers import KVCache
-from lm_pipeline.models.llama import LlamaConfig, LlamaModel
+The configs (:mod:`~lm_pipeline.models.config`) are light and load with the package; the
+Equinox modules (:class:`LmModel`, :class:`Gpt2Model`, :class:`LlamaModel`, :class:`KVCache`)
+load on first use, so parsing a run config imports no JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from lm_pipeline.models.config import Gpt2Config, LlamaConfig, LmConfig
+
+# Heavy public name -> its submodule, loaded on first access (PEP 562).
+_LAZY = {
+    "LmModel": "base",
+    "Gpt2Model": "gpt2",
+    "LlamaModel": "llama",
+    "KVCache": "layers",
+}
 
 __all__ = ["KVCache", "LmConfig", "LmModel", "Gpt2Config", "Gpt2Model", "LlamaConfig", "LlamaModel"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

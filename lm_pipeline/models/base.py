@@ -1,6 +1,7 @@
 """The contract every language model family fulfils.
 
-A model config (a :class:`LmConfig` member, selected by ``type:``) builds an Equinox module.
+A model config (a :class:`LmConfig` member in :mod:`lm_pipeline.models.config`, selected by
+``type:``) builds an Equinox module, an :class:`LmModel`.
 The module maps token ids to logits over a whole batch; the trainer owns the loss, mixed
 precision casts and sharding. Each parameter names its *logical* axes (``param_axes``), and the
 trainer's axis mappings turn those into mesh shardings, so FSDP and tensor parallelism are a
@@ -13,31 +14,22 @@ never sharded.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import equinox as eqx
 import jax
 
 from lm_pipeline.compute import REFERENCE, ComputePlan
-from lm_pipeline.schema import Choice, ConfigError
 
-
-class LmConfig(Choice):
-    """Family of model configs; ``type: gpt2`` or ``type: llama``."""
-
-    default_type: ClassVar[str] = "gpt2"
-    # Members are frozen dataclasses with at least: type, seq_len.
-
-    def build(self, vocab_size: int, *, key: jax.Array) -> LmModel:
-        """A freshly initialised model with f32 parameters."""
-        raise NotImplementedError
-
-    def flops_per_token(self, vocab_size: int) -> float:
-        """Training FLOPs per token (forward + backward = 3x forward), attention included."""
-        raise NotImplementedError
-
-    def num_params(self, vocab_size: int) -> int:
-        raise NotImplementedError
+# The config family and its validation helpers live in the light models.config (no JAX);
+# re-exported so that ``lm_pipeline.models.base`` keeps offering them.
+from lm_pipeline.models.config import (  # noqa: F401
+    LmConfig,
+    require_activation,
+    require_divisible,
+    require_positive,
+    require_probability,
+)
 
 
 class LmModel(eqx.Module):
@@ -102,34 +94,3 @@ class LmModel(eqx.Module):
         (plain causal, no segment ids, no dropout). Static shapes: jit-able with a traced
         ``position``, for the prefill (S = prompt length) and single-token steps (S = 1)."""
         raise NotImplementedError
-
-
-# Validation helpers for family members' ``validate()``.
-
-
-def require_positive(cfg: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if value <= 0:
-            raise ConfigError(name, f"must be positive, got {value!r}")
-
-
-def require_probability(cfg: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(name, f"must be in [0, 1), got {value!r}")
-
-
-def require_activation(cfg: Any, name: str = "activation_function") -> None:
-    valid = ("gelu", "gelu_new", "relu", "silu")  # the keys of layers.ACTIVATIONS
-    if getattr(cfg, name) not in valid:
-        raise ConfigError(name, f"must be one of {', '.join(map(repr, valid))}, got {getattr(cfg, name)!r}")
-
-
-def require_divisible(name: str, value: int, by_name: str, by: int) -> None:
-    """Raise ``ConfigError(name, "must be divisible by <by_name> (<by>), got <value>; e.g. <lo> or <hi>")``."""
-    if by > 0 and value % by:
-        lo = value // by * by
-        options = " or ".join(str(v) for v in (lo, lo + by) if v > 0)
-        raise ConfigError(name, f"must be divisible by {by_name} ({by}), got {value}; e.g. {options}")

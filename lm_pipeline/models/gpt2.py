@@ -22,7 +22,8 @@ flattened as ``n * H + h``)::
     ln_f.weight/bias             [D]           transformer.ln_f.weight/bias
 
 With ``use_bias: false`` the linear and LayerNorm biases are absent (HF export writes zeros).
-See :mod:`lm_pipeline.models.hf_mapping` for the conversion.
+See :mod:`lm_pipeline.models.hf_mapping` for the conversion. The config, :class:`Gpt2Config`, is in the
+light :mod:`lm_pipeline.models.config` (no JAX).
 
 Packed rows: with segment ids, position embeddings restart at 0 at the start of each segment
 (segments are contiguous runs), so a packed document sees exactly what it would see alone.
@@ -31,22 +32,15 @@ Packed rows: with segment ids, position embeddings restart at 0 at the start of 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from lm_pipeline.compute import REFERENCE, ComputePlan
-from lm_pipeline.models.base import (
-    LmConfig,
-    LmModel,
-    require_activation,
-    require_divisible,
-    require_positive,
-    require_probability,
-)
+from lm_pipeline.models.base import LmModel
+from lm_pipeline.models.config import Gpt2Config
 from lm_pipeline.models.layers import (
     F32,
     Attention,
@@ -62,68 +56,6 @@ from lm_pipeline.models.layers import (
     segment_positions,
     stack_blocks,
 )
-from lm_pipeline.schema import ConfigError, field
-
-
-@LmConfig.register("gpt2")
-@dataclass(frozen=True)
-class Gpt2Config(LmConfig):
-    """GPT-2: learned positions, LayerNorm, GELU MLP, tied embeddings."""
-
-    type: Literal["gpt2"] = field("gpt2", help="Model family: 'gpt2'.")
-    seq_len: int = field(1024, help="Maximum sequence length (rows of the learned position embeddings).")
-    hidden_dim: int = field(768, help="Width of the residual stream (HF n_embd).")
-    num_layers: int = field(12, help="Number of transformer blocks (HF n_layer).")
-    num_heads: int = field(12, help="Attention heads; must divide hidden_dim (HF n_head).")
-    mlp_scale: int = field(4, help="MLP hidden width as a multiple of hidden_dim.")
-    initializer_range: float = field(0.02, help="Std of the normal weight init; residual projections use it / sqrt(2 * num_layers).")
-    embed_pdrop: float = field(0.0, help="Dropout on the embeddings (training only).")
-    resid_pdrop: float = field(0.0, help="Dropout on each residual branch's output (training only).")
-    attn_pdrop: float = field(0.0, help="Dropout on attention probabilities (training only; uses the explicit softmax path).")
-    layer_norm_epsilon: float = field(1e-5, help="LayerNorm epsilon.")
-    activation_function: Literal["gelu", "gelu_new", "relu", "silu"] = field("gelu_new", help="MLP activation: 'gelu' (exact), 'gelu_new' (tanh approximation), 'relu' or 'silu'.")
-    scale_attn_by_inverse_layer_idx: bool = field(False, help="Divide attention scores of layer i (0-based) by i + 1.")
-    upcast_attn: bool = field(False, help="Compute attention in float32 (HF reorder_and_upcast_attn).")
-    gradient_checkpointing: bool = field(True, help="Recompute each block's activations in the backward pass (saves memory, same results).", semantic=False)
-    use_bias: bool = field(True, help="Biases in linear layers and LayerNorms.")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_dim // self.num_heads
-
-    @property
-    def mlp_dim(self) -> int:
-        return self.mlp_scale * self.hidden_dim
-
-    def validate(self) -> None:
-        require_positive(self, "seq_len", "hidden_dim", "num_layers", "num_heads", "mlp_scale", "layer_norm_epsilon")
-        if self.initializer_range < 0:
-            raise ConfigError("initializer_range", f"must be >= 0, got {self.initializer_range!r}")
-        require_probability(self, "embed_pdrop", "resid_pdrop", "attn_pdrop")
-        require_divisible("hidden_dim", self.hidden_dim, "num_heads", self.num_heads)
-        require_activation(self)
-
-    def build(self, vocab_size: int, *, key: jax.Array) -> Gpt2Model:
-        return Gpt2Model(self, vocab_size, key=key)
-
-    def num_params(self, vocab_size: int) -> int:
-        d, m, b = self.hidden_dim, self.mlp_dim, int(self.use_bias)
-        per_layer = (
-            2 * d * (1 + b)  # ln_1, ln_2
-            + 4 * d * d + 4 * d * b  # q, k, v, o (+ biases)
-            + 2 * d * m + (m + d) * b  # mlp
-        )
-        return vocab_size * d + self.seq_len * d + self.num_layers * per_layer + d * (1 + b)
-
-    def flops_per_token(self, vocab_size: int) -> float:
-        """Training FLOPs per token, PaLM (Chowdhery et al. 2022, app. B) / Chinchilla style:
-        ``6 * N + 12 * L * T * D`` where N counts the matmul weights (attention and MLP
-        projections plus the LM head; not embeddings lookups, norms or biases) and the second
-        term is the attention scores and weighted sum over the full T x T map (causal masking
-        is not discounted, as in PaLM's MFU)."""
-        d, m, layers = self.hidden_dim, self.mlp_dim, self.num_layers
-        matmul = layers * (4 * d * d + 2 * d * m) + vocab_size * d
-        return float(6 * matmul + 12 * layers * self.seq_len * d)
 
 
 class Gpt2Block(eqx.Module):

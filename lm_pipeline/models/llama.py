@@ -24,28 +24,23 @@ H = head_dim, I = intermediate_dim, V = vocab) and the matching Hugging Face ten
     norm.weight                      [D]           model.norm.weight
     lm_head                          [V, D]        lm_head.weight  (None when tie_word_embeddings)
 
-See :mod:`lm_pipeline.models.hf_mapping` for the conversion.
+See :mod:`lm_pipeline.models.hf_mapping` for the conversion. The config, :class:`LlamaConfig`, is in the
+light :mod:`lm_pipeline.models.config` (no JAX).
 
 Packed rows: with segment ids, rotary positions restart at 0 at the start of each segment.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from lm_pipeline.compute import REFERENCE, ComputePlan
-from lm_pipeline.models.base import (
-    LmConfig,
-    LmModel,
-    require_activation,
-    require_divisible,
-    require_positive,
-)
+from lm_pipeline.models.base import LmModel
+from lm_pipeline.models.config import LlamaConfig
 from lm_pipeline.models.layers import (
     Attention,
     KVCache,
@@ -60,79 +55,6 @@ from lm_pipeline.models.layers import (
     segment_positions,
     stack_blocks,
 )
-from lm_pipeline.schema import ConfigError, field
-
-
-@LmConfig.register("llama")
-@dataclass(frozen=True)
-class LlamaConfig(LmConfig):
-    """Llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP."""
-
-    type: Literal["llama"] = field("llama", help="Model family: 'llama'.")
-    seq_len: int = field(2048, help="Training sequence length (HF max_position_embeddings).")
-    hidden_dim: int = field(4096, help="Width of the residual stream (HF hidden_size).")
-    intermediate_dim: int = field(11008, help="Hidden width of the SwiGLU MLP (HF intermediate_size).")
-    num_layers: int = field(32, help="Number of transformer blocks.")
-    num_heads: int = field(32, help="Query heads.")
-    num_kv_heads: int = field(32, help="Key/value heads; fewer than num_heads gives grouped-query attention (1: multi-query). Must divide num_heads.")
-    head_dim: int | None = field(None, help="Per-head width; null means hidden_dim // num_heads.")
-    activation_function: Literal["gelu", "gelu_new", "relu", "silu"] = field("silu", help="Gate activation of the MLP ('silu' = SwiGLU).")
-    initializer_range: float = field(0.02, help="Std of the normal weight init.")
-    layer_norm_epsilon: float = field(1e-6, help="RMSNorm epsilon (HF rms_norm_eps).")
-    rope_theta: float = field(10000.0, help="Rotary embedding base.")
-    tie_word_embeddings: bool = field(False, help="Use the token embeddings as the LM head.")
-    use_bias: bool = field(False, help="Biases in the attention and MLP projections (HF attention_bias and mlp_bias).")
-    upcast_attn: bool = field(False, help="Compute attention in float32.")
-    gradient_checkpointing: bool = field(True, help="Recompute each block's activations in the backward pass (saves memory, same results).", semantic=False)
-
-    @property
-    def head_size(self) -> int:
-        """The effective head dimension (``head_dim`` or ``hidden_dim // num_heads``)."""
-        return self.head_dim if self.head_dim is not None else self.hidden_dim // self.num_heads
-
-    def validate(self) -> None:
-        require_positive(self, "seq_len", "hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads", "layer_norm_epsilon", "rope_theta")
-        if self.initializer_range < 0:
-            raise ConfigError("initializer_range", f"must be >= 0, got {self.initializer_range!r}")
-        if self.num_heads % self.num_kv_heads:
-            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
-            raise ConfigError(
-                "num_kv_heads",
-                f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}; valid: {', '.join(map(str, divisors))}",
-            )
-        if self.head_dim is None:
-            require_divisible("hidden_dim", self.hidden_dim, "num_heads", self.num_heads)
-        elif self.head_dim <= 0:
-            raise ConfigError("head_dim", f"must be positive or null, got {self.head_dim}")
-        if self.head_size % 2:
-            where = "head_dim" if self.head_dim is not None else "hidden_dim"
-            raise ConfigError(where, f"the head dimension ({self.head_size}) must be even for rotary embeddings")
-        require_activation(self)
-
-    def build(self, vocab_size: int, *, key: jax.Array) -> LlamaModel:
-        return LlamaModel(self, vocab_size, key=key)
-
-    def _matmul_params_per_layer(self) -> int:
-        d, h, n, kv, i = self.hidden_dim, self.head_size, self.num_heads, self.num_kv_heads, self.intermediate_dim
-        return 2 * d * n * h + 2 * d * kv * h + 3 * d * i
-
-    def num_params(self, vocab_size: int) -> int:
-        d, h, n, kv, i = self.hidden_dim, self.head_size, self.num_heads, self.num_kv_heads, self.intermediate_dim
-        per_layer = 2 * d + self._matmul_params_per_layer()
-        if self.use_bias:
-            per_layer += n * h + 2 * kv * h + d + 2 * i + d
-        head = 0 if self.tie_word_embeddings else vocab_size * d
-        return vocab_size * d + head + self.num_layers * per_layer + d
-
-    def flops_per_token(self, vocab_size: int) -> float:
-        """Training FLOPs per token, PaLM (Chowdhery et al. 2022, app. B) / Chinchilla style:
-        ``6 * N + 12 * L * T * N_heads * head_dim`` where N counts the matmul weights (q, k, v,
-        o, gate, up, down and the LM head, tied or not; not the embedding lookup, norms or
-        biases) and the second term is attention over the full T x T map (causal masking not
-        discounted)."""
-        matmul = self.num_layers * self._matmul_params_per_layer() + vocab_size * self.hidden_dim
-        attn = 12 * self.num_layers * self.seq_len * self.num_heads * self.head_size
-        return float(6 * matmul + attn)
 
 
 class LlamaBlock(eqx.Module):

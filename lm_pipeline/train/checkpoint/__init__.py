@@ -19,34 +19,45 @@ Modules, one job each:
 * :mod:`.retention`: pruning by the keep policy and the ``best/`` copy.
 * :mod:`.discovery`: :func:`latest_checkpoint`, :func:`read_metadata`.
 * :mod:`.restore`: :func:`load` (elastic restore).
+
+Every public name is importable from ``lm_pipeline.train.checkpoint``; the submodules load on
+first use, so the run config (which needs only :class:`CheckpointerConfig`) stays free of JAX.
 """
 
-from lm_pipeline.train.checkpoint.checkpointer import Checkpointer, ExtraFile
-from lm_pipeline.train.checkpoint.discovery import latest_checkpoint, read_metadata
-from lm_pipeline.train.checkpoint.marker import (
-    BEST_DIR,
-    MARKER,
-    STATE_DIR,
-    IncompleteCheckpointError,
-    Kind,
-    step_dir_name,
-)
-from lm_pipeline.train.checkpoint.policy import CheckpointerConfig, KeepPolicy, parse_duration
-from lm_pipeline.train.checkpoint.restore import load
+from __future__ import annotations
 
-__all__ = [
-    "BEST_DIR",
-    "MARKER",
-    "STATE_DIR",
-    "Checkpointer",
-    "CheckpointerConfig",
-    "ExtraFile",
-    "IncompleteCheckpointError",
-    "KeepPolicy",
-    "Kind",
-    "latest_checkpoint",
-    "load",
-    "parse_duration",
-    "read_metadata",
-    "step_dir_name",
-]
+import importlib
+from typing import Any
+
+# Public name -> its submodule, loaded on first access (PEP 562).
+_EXPORTS = {
+    "CheckpointerConfig": "policy",
+    "KeepPolicy": "policy",
+    "parse_duration": "policy",
+    "BEST_DIR": "marker",
+    "MARKER": "marker",
+    "STATE_DIR": "marker",
+    "IncompleteCheckpointError": "marker",
+    "Kind": "marker",
+    "step_dir_name": "marker",
+    "Checkpointer": "checkpointer",
+    "ExtraFile": "checkpointer",
+    "latest_checkpoint": "discovery",
+    "read_metadata": "discovery",
+    "load": "restore",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

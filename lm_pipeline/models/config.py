@@ -1,0 +1,207 @@
+"""Model configs: the :class:`LmConfig` family (``type: gpt2 | llama``), its members, and the
+helpers their ``validate()`` uses. Light: no JAX or Equinox until :meth:`LmConfig.build`.
+
+Each config also answers sizing questions without building a model (:meth:`LmConfig.num_params`,
+:meth:`LmConfig.flops_per_token`). Importing this module registers every family member.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from lm_pipeline.schema import Choice, ConfigError, field
+
+if TYPE_CHECKING:
+    import jax
+
+    from lm_pipeline.models.base import LmModel
+    from lm_pipeline.models.gpt2 import Gpt2Model
+    from lm_pipeline.models.llama import LlamaModel
+
+
+class LmConfig(Choice):
+    """Family of model configs; ``type: gpt2`` or ``type: llama``."""
+
+    default_type: ClassVar[str] = "gpt2"
+    # Members are frozen dataclasses with at least: type, seq_len.
+
+    def build(self, vocab_size: int, *, key: jax.Array) -> LmModel:
+        """A freshly initialised model with f32 parameters."""
+        raise NotImplementedError
+
+    def flops_per_token(self, vocab_size: int) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward), attention included."""
+        raise NotImplementedError
+
+    def num_params(self, vocab_size: int) -> int:
+        """Number of parameters (every array element, embeddings included)."""
+        raise NotImplementedError
+
+
+# Validation helpers for family members' ``validate()``.
+
+
+def require_positive(cfg: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value <= 0:
+            raise ConfigError(name, f"must be positive, got {value!r}")
+
+
+def require_probability(cfg: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(name, f"must be in [0, 1), got {value!r}")
+
+
+def require_activation(cfg: Any, name: str = "activation_function") -> None:
+    valid = ("gelu", "gelu_new", "relu", "silu")  # the keys of layers.ACTIVATIONS
+    if getattr(cfg, name) not in valid:
+        raise ConfigError(name, f"must be one of {', '.join(map(repr, valid))}, got {getattr(cfg, name)!r}")
+
+
+def require_divisible(name: str, value: int, by_name: str, by: int) -> None:
+    """Raise ``ConfigError(name, "must be divisible by <by_name> (<by>), got <value>; e.g. <lo> or <hi>")``."""
+    if by > 0 and value % by:
+        lo = value // by * by
+        options = " or ".join(str(v) for v in (lo, lo + by) if v > 0)
+        raise ConfigError(name, f"must be divisible by {by_name} ({by}), got {value}; e.g. {options}")
+
+
+@LmConfig.register("gpt2")
+@dataclass(frozen=True)
+class Gpt2Config(LmConfig):
+    """GPT-2: learned positions, LayerNorm, GELU MLP, tied embeddings."""
+
+    type: Literal["gpt2"] = field("gpt2", help="Model family: 'gpt2'.")
+    seq_len: int = field(1024, help="Maximum sequence length (rows of the learned position embeddings).")
+    hidden_dim: int = field(768, help="Width of the residual stream (HF n_embd).")
+    num_layers: int = field(12, help="Number of transformer blocks (HF n_layer).")
+    num_heads: int = field(12, help="Attention heads; must divide hidden_dim (HF n_head).")
+    mlp_scale: int = field(4, help="MLP hidden width as a multiple of hidden_dim.")
+    initializer_range: float = field(0.02, help="Std of the normal weight init; residual projections use it / sqrt(2 * num_layers).")
+    embed_pdrop: float = field(0.0, help="Dropout on the embeddings (training only).")
+    resid_pdrop: float = field(0.0, help="Dropout on each residual branch's output (training only).")
+    attn_pdrop: float = field(0.0, help="Dropout on attention probabilities (training only; uses the explicit softmax path).")
+    layer_norm_epsilon: float = field(1e-5, help="LayerNorm epsilon.")
+    activation_function: Literal["gelu", "gelu_new", "relu", "silu"] = field("gelu_new", help="MLP activation: 'gelu' (exact), 'gelu_new' (tanh approximation), 'relu' or 'silu'.")
+    scale_attn_by_inverse_layer_idx: bool = field(False, help="Divide attention scores of layer i (0-based) by i + 1.")
+    upcast_attn: bool = field(False, help="Compute attention in float32 (HF reorder_and_upcast_attn).")
+    gradient_checkpointing: bool = field(True, help="Recompute each block's activations in the backward pass (saves memory, same results).", semantic=False)
+    use_bias: bool = field(True, help="Biases in linear layers and LayerNorms.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_dim // self.num_heads
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.mlp_scale * self.hidden_dim
+
+    def validate(self) -> None:
+        require_positive(self, "seq_len", "hidden_dim", "num_layers", "num_heads", "mlp_scale", "layer_norm_epsilon")
+        if self.initializer_range < 0:
+            raise ConfigError("initializer_range", f"must be >= 0, got {self.initializer_range!r}")
+        require_probability(self, "embed_pdrop", "resid_pdrop", "attn_pdrop")
+        require_divisible("hidden_dim", self.hidden_dim, "num_heads", self.num_heads)
+        require_activation(self)
+
+    def build(self, vocab_size: int, *, key: jax.Array) -> Gpt2Model:
+        from lm_pipeline.models.gpt2 import Gpt2Model  # JAX/Equinox: loaded only to build a model
+
+        return Gpt2Model(self, vocab_size, key=key)
+
+    def num_params(self, vocab_size: int) -> int:
+        d, m, b = self.hidden_dim, self.mlp_dim, int(self.use_bias)
+        per_layer = (
+            2 * d * (1 + b)  # ln_1, ln_2
+            + 4 * d * d + 4 * d * b  # q, k, v, o (+ biases)
+            + 2 * d * m + (m + d) * b  # mlp
+        )
+        return vocab_size * d + self.seq_len * d + self.num_layers * per_layer + d * (1 + b)
+
+    def flops_per_token(self, vocab_size: int) -> float:
+        """Training FLOPs per token, PaLM (Chowdhery et al. 2022, app. B) / Chinchilla style:
+        ``6 * N + 12 * L * T * D`` where N counts the matmul weights (attention and MLP
+        projections plus the LM head; not embeddings lookups, norms or biases) and the second
+        term is the attention scores and weighted sum over the full T x T map (causal masking
+        is not discounted, as in PaLM's MFU)."""
+        d, m, layers = self.hidden_dim, self.mlp_dim, self.num_layers
+        matmul = layers * (4 * d * d + 2 * d * m) + vocab_size * d
+        return float(6 * matmul + 12 * layers * self.seq_len * d)
+
+
+@LmConfig.register("llama")
+@dataclass(frozen=True)
+class LlamaConfig(LmConfig):
+    """Llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP."""
+
+    type: Literal["llama"] = field("llama", help="Model family: 'llama'.")
+    seq_len: int = field(2048, help="Training sequence length (HF max_position_embeddings).")
+    hidden_dim: int = field(4096, help="Width of the residual stream (HF hidden_size).")
+    intermediate_dim: int = field(11008, help="Hidden width of the SwiGLU MLP (HF intermediate_size).")
+    num_layers: int = field(32, help="Number of transformer blocks.")
+    num_heads: int = field(32, help="Query heads.")
+    num_kv_heads: int = field(32, help="Key/value heads; fewer than num_heads gives grouped-query attention (1: multi-query). Must divide num_heads.")
+    head_dim: int | None = field(None, help="Per-head width; null means hidden_dim // num_heads.")
+    activation_function: Literal["gelu", "gelu_new", "relu", "silu"] = field("silu", help="Gate activation of the MLP ('silu' = SwiGLU).")
+    initializer_range: float = field(0.02, help="Std of the normal weight init.")
+    layer_norm_epsilon: float = field(1e-6, help="RMSNorm epsilon (HF rms_norm_eps).")
+    rope_theta: float = field(10000.0, help="Rotary embedding base.")
+    tie_word_embeddings: bool = field(False, help="Use the token embeddings as the LM head.")
+    use_bias: bool = field(False, help="Biases in the attention and MLP projections (HF attention_bias and mlp_bias).")
+    upcast_attn: bool = field(False, help="Compute attention in float32.")
+    gradient_checkpointing: bool = field(True, help="Recompute each block's activations in the backward pass (saves memory, same results).", semantic=False)
+
+    @property
+    def head_size(self) -> int:
+        """The effective head dimension (``head_dim`` or ``hidden_dim // num_heads``)."""
+        return self.head_dim if self.head_dim is not None else self.hidden_dim // self.num_heads
+
+    def validate(self) -> None:
+        require_positive(self, "seq_len", "hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads", "layer_norm_epsilon", "rope_theta")
+        if self.initializer_range < 0:
+            raise ConfigError("initializer_range", f"must be >= 0, got {self.initializer_range!r}")
+        if self.num_heads % self.num_kv_heads:
+            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
+            raise ConfigError(
+                "num_kv_heads",
+                f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}; valid: {', '.join(map(str, divisors))}",
+            )
+        if self.head_dim is None:
+            require_divisible("hidden_dim", self.hidden_dim, "num_heads", self.num_heads)
+        elif self.head_dim <= 0:
+            raise ConfigError("head_dim", f"must be positive or null, got {self.head_dim}")
+        if self.head_size % 2:
+            where = "head_dim" if self.head_dim is not None else "hidden_dim"
+            raise ConfigError(where, f"the head dimension ({self.head_size}) must be even for rotary embeddings")
+        require_activation(self)
+
+    def build(self, vocab_size: int, *, key: jax.Array) -> LlamaModel:
+        from lm_pipeline.models.llama import LlamaModel  # JAX/Equinox: loaded only to build a model
+
+        return LlamaModel(self, vocab_size, key=key)
+
+    def _matmul_params_per_layer(self) -> int:
+        d, h, n, kv, i = self.hidden_dim, self.head_size, self.num_heads, self.num_kv_heads, self.intermediate_dim
+        return 2 * d * n * h + 2 * d * kv * h + 3 * d * i
+
+    def num_params(self, vocab_size: int) -> int:
+        d, h, n, kv, i = self.hidden_dim, self.head_size, self.num_heads, self.num_kv_heads, self.intermediate_dim
+        per_layer = 2 * d + self._matmul_params_per_layer()
+        if self.use_bias:
+            per_layer += n * h + 2 * kv * h + d + 2 * i + d
+        head = 0 if self.tie_word_embeddings else vocab_size * d
+        return vocab_size * d + head + self.num_layers * per_layer + d
+
+    def flops_per_token(self, vocab_size: int) -> float:
+        """Training FLOPs per token, PaLM (Chowdhery et al. 2022, app. B) / Chinchilla style:
+        ``6 * N + 12 * L * T * N_heads * head_dim`` where N counts the matmul weights (q, k, v,
+        o, gate, up, down and the LM head, tied or not; not the embedding lookup, norms or
+        biases) and the second term is attention over the full T x T map (causal masking not
+        discounted)."""
+        matmul = self.num_layers * self._matmul_params_per_layer() + vocab_size * self.hidden_dim
+        attn = 12 * self.num_layers * self.seq_len * self.num_heads * self.head_size
+        return float(6 * matmul + attn)
