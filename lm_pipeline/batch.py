@@ -144,3 +144,25 @@ class StepBatchSource:
     def batch(self, step: int) -> LmBatch:
         """This process's slice of the global batch for ``step`` (reads only those rows)."""
         return self.dataset.get_many(self.local_indices(step))
+
+
+def device_put_batch(batch: LmBatch, sharding, global_rows: int | None = None) -> LmBatch:
+    """This process's rows of a batch placed on devices with ``sharding`` (int32 arrays).
+
+    One process: ``jax.device_put``. Several processes: ``jax.make_array_from_process_local_data``,
+    each contributing its slice of the global batch (``global_rows`` rows in all; default
+    inferred by JAX from the slices).
+    """
+    import jax
+
+    def put(x: np.ndarray | None):
+        if x is None:
+            return None
+        x = np.asarray(x, np.int32)
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        shape = (global_rows, *x.shape[1:]) if global_rows else None
+        return jax.make_array_from_process_local_data(sharding, x, shape)
+
+    return LmBatch(put(batch.tokens), put(batch.segment_ids))
+

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from lm_pipeline.batch import LmBatch, SequenceDataset, StepBatchSource
+from lm_pipeline.batch import LmBatch, SequenceDataset, StepBatchSource, device_put_batch
 from lm_pipeline.data.cache import TokenCache, open_cache
 from lm_pipeline.data.packing import PackedLayout, open_packing
 
@@ -217,20 +217,7 @@ class Prefetcher(Iterator[tuple[int, Any]]):
     def _device_put(self, batch: LmBatch) -> LmBatch:
         import jax
 
-        sharding = self._sharding
-        multi = jax.process_count() > 1
-        global_rows = getattr(self.source, "batch_size", None)
-
-        def put(x: np.ndarray | None):
-            if x is None:
-                return None
-            x = np.asarray(x, np.int32)
-            if not multi:
-                return jax.device_put(x, sharding)
-            shape = (global_rows, *x.shape[1:]) if global_rows else None
-            return jax.make_array_from_process_local_data(sharding, x, shape)
-
-        out = LmBatch(put(batch.tokens), put(batch.segment_ids))
+        out = device_put_batch(batch, self._sharding, getattr(self.source, "batch_size", None))
         jax.block_until_ready([a for a in out if a is not None])
         return out
 

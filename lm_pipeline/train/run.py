@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -27,10 +28,11 @@ from lm_pipeline.fingerprint import fingerprint
 from lm_pipeline.schema import ConfigError, to_dict
 from lm_pipeline.train.checkpoint import Checkpointer, latest_checkpoint
 from lm_pipeline.train.optim import all_finite
-from lm_pipeline.train.sharding import initialize_distributed, make_mesh
+from lm_pipeline.train.sharding import MeshPlan, initialize_distributed, make_mesh
 from lm_pipeline.train.trackers import build_tracker, setup_logging
 from lm_pipeline.train.trainer import (
     Hook,
+    StepFunctions,
     StepInfo,
     TrainResult,
     TrainState,
@@ -67,6 +69,24 @@ def _find_resume_path(cfg: RunConfig, run_dir: str) -> str | None:
     return path
 
 
+@dataclass
+class _Run:
+    """What the loop needs, settled before the first step."""
+
+    cfg: RunConfig
+    plan: MeshPlan
+    num_steps: int
+    run_id: str
+    run_dir: str
+    source: StepBatchSource
+    fns: StepFunctions
+    checkpointer: Checkpointer
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.trainer.train_batch_size * self.cfg.model.seq_len
+
+
 def train(
     cfg: RunConfig,
     *,
@@ -93,6 +113,52 @@ def train(
         extra_checkpoint_files: files copied into every ``step-N`` dir (e.g. the tokenizer).
         hooks: user callbacks run every N steps; a hook may return metrics to log.
     """
+    run = _prepare(cfg, train_data, vocab_size, data_fingerprint, run_id, run_dir)
+    cfg, tc, num_steps = run.cfg, run.cfg.trainer, run.num_steps
+    state, resume_path = _restore_or_init(run)
+    start = int(state.step)
+    tracker = build_tracker(tc.tracker, run_id=run.run_id, run_dir=run.run_dir, hparams=to_dict(cfg),
+                            resume_step=start + 1 if resume_path else None, primary=jax.process_index() == 0)
+    result = TrainResult(state=state, final_step=start, resumed_from=resume_path)
+    evaluator = _Evaluator(run, eval_data or {}, eval_bytes_per_token or {}, tracker, result)
+    meter = _StepMeter(run, tracker, start, vocab_size)
+    files = {"config.yaml": dump_config(cfg), **(extra_checkpoint_files or {})}
+    # Batches are read and placed on devices ahead of the step, on a background thread.
+    batches = Prefetcher(run.source, start, num_steps=num_steps - start, depth=2, put=lambda b: put_batch(b, run.plan))
+    fns = run.fns
+    try:
+        for step, (toks, seg) in batches:
+            step_fn = fns.poisoned_train_step if step + 1 in fns.poisoned_steps else fns.train_step
+            with run.plan.mesh:
+                state, metrics = step_fn(state, toks, seg)
+            done = step + 1
+            faultpoint("train.after_step")
+            meter.after_step(step, metrics)
+            eval_loss = evaluator(state, done) if evaluator.due(done) else None
+            for hook in hooks:
+                if done % hook.every == 0:
+                    extra = hook.fn(StepInfo(done, state, meter.last or {}))
+                    if extra:
+                        tracker.log(dict(extra), step=done)
+            path = run.checkpointer.maybe_save(done, state, force=done == num_steps, extra_files=files,
+                                               metadata={"run_id": run.run_id}, eval_loss=eval_loss)
+            if path:
+                result.checkpoints.append(path)
+        run.checkpointer.wait()
+    except BaseException:
+        # Let a checkpoint that is being written (of a good, earlier state) complete.
+        with contextlib.suppress(Exception):
+            run.checkpointer.wait()
+        raise
+    finally:
+        batches.close()
+        meter.close()
+    return _finish(run, result, state, meter, tracker)
+
+
+def _prepare(cfg: RunConfig, train_data: SequenceDataset, vocab_size: int, data_fingerprint: str | None,
+             run_id: str | None, run_dir: str | None) -> _Run:
+    """Mesh, step count, run id and directory, batch source, step functions, checkpointer."""
     tc = cfg.trainer
     initialize_distributed(tc.distributed)
     plan = make_mesh(tc)
@@ -106,132 +172,129 @@ def train(
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every internal step at INFO
     log.info("run %s: %d steps, batch %d x %d tokens, %d devices (data %d x model %d)",
              run_id, num_steps, tc.train_batch_size, seq_len, jax.device_count(), plan.data_size, plan.model_size)
-
     source = StepBatchSource(train_data, tc.train_batch_size, tc.seed,
                              process_index=jax.process_index(), process_count=jax.process_count())
     has_segments = source.batch(0).segment_ids is not None
     if tc.per_device_parallelism == "auto":
         cfg = resolve_auto_parallelism(cfg, jax.device_count(), vocab_size, segments=has_segments)
-        tc = cfg.trainer
-    fns = build_step_functions(cfg.model, cfg.optimizer, tc, vocab_size=vocab_size, num_train_steps=num_steps,
+    fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=vocab_size, num_train_steps=num_steps,
                                plan=plan, has_segments=has_segments)
-    checkpointer = _FiniteStateCheckpointer(tc.checkpointer, base_path_override=run_dir)
+    checkpointer = _FiniteStateCheckpointer(cfg.trainer.checkpointer, base_path_override=run_dir)
+    return _Run(cfg, plan, num_steps, run_id, run_dir, source, fns, checkpointer)
 
-    resume_path = _find_resume_path(cfg, run_dir)
-    with plan.mesh:
+
+def _restore_or_init(run: _Run) -> tuple[TrainState, str | None]:
+    """The run's latest complete checkpoint, else a fresh state (weights from
+    ``trainer.initialize_from`` if set); and the checkpoint resumed from, if any."""
+    tc = run.cfg.trainer
+    resume_path = _find_resume_path(run.cfg, run.run_dir)
+    with run.plan.mesh:
         if resume_path is not None:
-            state = checkpointer.load(resume_path, fns.abstract_state)
+            state = run.checkpointer.load(resume_path, run.fns.abstract_state)
             log.info("resumed from %s at step %d", resume_path, int(state.step))
         else:
-            state = fns.init(jax.random.key_data(jax.random.key(tc.seed)))
+            state = run.fns.init(jax.random.key_data(jax.random.key(tc.seed)))
             if tc.initialize_from:
-                state = _initialize_from(state, tc.initialize_from, checkpointer, fns)
-    start = int(state.step)
+                state = _initialize_from(state, tc.initialize_from, run.checkpointer, run.fns)
+    return state, resume_path
 
-    files = {"config.yaml": dump_config(cfg)}
-    files.update(extra_checkpoint_files or {})
-    hparams = to_dict(cfg)
-    tracker = build_tracker(tc.tracker, run_id=run_id, run_dir=run_dir, hparams=hparams,
-                            resume_step=start + 1 if resume_path else None, primary=jax.process_index() == 0)
-    flops_per_token = cfg.model.flops_per_token(vocab_size)
-    peak = device_peak_flops()
-    lr_at = cfg.optimizer.lr_scheduler(num_steps)
-    tokens_per_step = tc.train_batch_size * seq_len
-    eval_bs = (tc.per_device_eval_parallelism if tc.per_device_eval_parallelism > 0 else
-               max(1, tc.train_batch_size // plan.data_size)) * plan.data_size
-    result = TrainResult(state=state, final_step=start, resumed_from=resume_path)
 
-    def run_eval(state: TrainState, step: int) -> float | None:
-        if not eval_data:
-            return None
+class _Evaluator:
+    """Evaluates the validation sets every ``trainer.steps_per_eval`` steps and at the end;
+    logs ``eval/<set>/loss`` (and ``bpb``), the token-weighted and macro means."""
+
+    def __init__(self, run: _Run, eval_data: Mapping[str, SequenceDataset], bytes_per_token: Mapping[str, float],
+                 tracker: Any, result: TrainResult):
+        tc, plan = run.cfg.trainer, run.plan
+        self.run, self.data, self.bytes_per_token, self.tracker, self.result = run, eval_data, bytes_per_token, tracker, result
+        per_device = tc.per_device_eval_parallelism if tc.per_device_eval_parallelism > 0 else max(
+            1, tc.train_batch_size // plan.data_size)
+        self.batch_size = per_device * plan.data_size
+
+    def due(self, done: int) -> bool:
+        return bool(self.data) and (done % self.run.cfg.trainer.steps_per_eval == 0 or done == self.run.num_steps)
+
+    def __call__(self, state: TrainState, step: int) -> float:
         t0 = time.perf_counter()
-        with plan.mesh:
-            res = evaluate_datasets(fns, state, eval_data, plan, batch_size=eval_bs, max_batches=tc.max_eval_batches)
+        with self.run.plan.mesh:
+            res = evaluate_datasets(self.run.fns, state, self.data, self.run.plan, batch_size=self.batch_size,
+                                    max_batches=self.run.cfg.trainer.max_eval_batches)
         metrics: dict[str, float] = {}
         for name, r in res.items():
             metrics[f"eval/{name}/loss"] = r["loss"]
-            if eval_bytes_per_token and eval_bytes_per_token.get(name):
-                metrics[f"eval/{name}/bpb"] = r["loss"] / math.log(2) / eval_bytes_per_token[name]
+            if self.bytes_per_token.get(name):
+                metrics[f"eval/{name}/bpb"] = r["loss"] / math.log(2) / self.bytes_per_token[name]
         total_tokens = sum(r["tokens"] for r in res.values())
         metrics["eval/loss"] = sum(r["loss"] * r["tokens"] for r in res.values()) / max(total_tokens, 1.0)
         metrics["eval/macro_loss"] = float(np.mean([r["loss"] for r in res.values()]))
         metrics["eval/seconds"] = time.perf_counter() - t0
-        tracker.log(metrics, step=step)
-        result.eval_history.append({"step": step, **metrics})
+        self.tracker.log(metrics, step=step)
+        self.result.eval_history.append({"step": step, **metrics})
         log.info("eval at step %d: %s", step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.endswith("loss")))
         return metrics["eval/loss"]
 
-    bar = tqdm(total=num_steps, initial=start, desc="train", unit="step", disable=None if tc.progress else True,
-               dynamic_ncols=True)
-    window_t0, window_steps = time.perf_counter(), 0
-    t_start = time.perf_counter()
-    pending: dict[str, Any] | None = None
-    eval_loss = None
-    # Batches are read and placed on devices ahead of the step, on a background thread.
-    batches = Prefetcher(source, start, num_steps=num_steps - start, depth=2, put=lambda b: put_batch(b, plan))
-    try:
-        for step, (toks, seg) in batches:
-            step_fn = fns.poisoned_train_step if step + 1 in fns.poisoned_steps else fns.train_step
-            with plan.mesh:
-                state, metrics = step_fn(state, toks, seg)
-            done = step + 1
-            faultpoint("train.after_step")
-            window_steps += 1
-            bar.update(1)
-            if done % tc.log_every == 0 or done == num_steps:
-                host = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                if not math.isfinite(host["train/loss"]) and not cfg.optimizer.skip_bad_steps:
-                    raise FloatingPointError(
-                        f"non-finite training loss at step {done}; not saving a checkpoint. Resume from the last "
-                        "checkpoint with a lower optimizer.learning_rate (or a higher optimizer.warmup), check the "
-                        "data, or set optimizer.skip_bad_steps: true to skip such steps"
-                    )
-                dt = time.perf_counter() - window_t0
-                tps = window_steps * tokens_per_step / max(dt, 1e-9)
-                host["optim/learning_rate"] = float(lr_at(step))
-                host["throughput/tokens_per_second"] = tps
-                host["throughput/step_seconds"] = dt / window_steps
-                if peak:
-                    host["throughput/mfu"] = flops_per_token * tps / (peak * jax.device_count())
-                tracker.log(host, step=done)
-                bar.set_postfix(loss=f"{host['train/loss']:.3f}", tok_s=f"{tps:,.0f}")
-                pending = host
-                window_t0, window_steps = time.perf_counter(), 0
-            if eval_data and (done % tc.steps_per_eval == 0 or done == num_steps):
-                eval_loss = run_eval(state, done)
-            for hook in hooks:
-                if done % hook.every == 0:
-                    extra = hook.fn(StepInfo(done, state, pending or {}))
-                    if extra:
-                        tracker.log(dict(extra), step=done)
-            path = checkpointer.maybe_save(done, state, force=done == num_steps, extra_files=files,
-                                           metadata={"run_id": run_id}, eval_loss=eval_loss)
-            if path:
-                result.checkpoints.append(path)
-            eval_loss = None
-        checkpointer.wait()
-    except BaseException:
-        # Let a checkpoint that is being written (of a good, earlier state) complete.
-        with contextlib.suppress(Exception):
-            checkpointer.wait()
-        raise
-    finally:
-        batches.close()
-        bar.close()
+
+class _StepMeter:
+    """The progress bar, and every ``trainer.log_every`` steps the step's metrics with learning
+    rate, throughput and MFU logged; a non-finite loss stops the run unless bad steps are skipped."""
+
+    def __init__(self, run: _Run, tracker: Any, start: int, vocab_size: int):
+        tc = run.cfg.trainer
+        self.run, self.tracker = run, tracker
+        self.bar = tqdm(total=run.num_steps, initial=start, desc="train", unit="step",
+                        disable=None if tc.progress else True, dynamic_ncols=True)
+        self.flops_per_token = run.cfg.model.flops_per_token(vocab_size)
+        self.peak = device_peak_flops()
+        self.lr_at = run.cfg.optimizer.lr_scheduler(run.num_steps)
+        self.window_t0, self.window_steps = time.perf_counter(), 0
+        self.t_start = time.perf_counter()
+        self.last: dict[str, Any] | None = None
+
+    def after_step(self, step: int, metrics: Mapping[str, Any]) -> None:
+        done, num_steps = step + 1, self.run.num_steps
+        self.window_steps += 1
+        self.bar.update(1)
+        if done % self.run.cfg.trainer.log_every and done != num_steps:
+            return
+        host = {k: float(v) for k, v in jax.device_get(dict(metrics)).items()}
+        if not math.isfinite(host["train/loss"]) and not self.run.cfg.optimizer.skip_bad_steps:
+            raise FloatingPointError(
+                f"non-finite training loss at step {done}; not saving a checkpoint. Resume from the last "
+                "checkpoint with a lower optimizer.learning_rate (or a higher optimizer.warmup), check the "
+                "data, or set optimizer.skip_bad_steps: true to skip such steps"
+            )
+        dt = time.perf_counter() - self.window_t0
+        tps = self.window_steps * self.run.tokens_per_step / max(dt, 1e-9)
+        host["optim/learning_rate"] = float(self.lr_at(step))
+        host["throughput/tokens_per_second"] = tps
+        host["throughput/step_seconds"] = dt / self.window_steps
+        if self.peak:
+            host["throughput/mfu"] = self.flops_per_token * tps / (self.peak * jax.device_count())
+        self.tracker.log(host, step=done)
+        self.bar.set_postfix(loss=f"{host['train/loss']:.3f}", tok_s=f"{tps:,.0f}")
+        self.last = host
+        self.window_t0, self.window_steps = time.perf_counter(), 0
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _finish(run: _Run, result: TrainResult, state: TrainState, meter: _StepMeter, tracker: Any) -> TrainResult:
+    """The result's final metrics (last logged step and last evaluation), trackers closed, plots."""
     result.state = state
     result.final_step = int(state.step)
-    result.metrics = dict(pending or {})
+    result.metrics = dict(meter.last or {})
     if result.eval_history:
         result.metrics.update({k: v for k, v in result.eval_history[-1].items() if k != "step"})
-    result.train_seconds = time.perf_counter() - t_start
+    result.train_seconds = time.perf_counter() - meter.t_start
     tracker.log_summary(result.metrics)
     tracker.finish()
-    if jax.process_index() == 0 and "://" not in run_dir:  # loss / lr / bpb / tokens/s PNGs beside the checkpoints
+    if jax.process_index() == 0 and "://" not in run.run_dir:  # loss / lr / bpb / tokens/s PNGs beside the checkpoints
         from lm_pipeline.plots import write_training_plots
 
-        write_training_plots(run_dir)
+        write_training_plots(run.run_dir)
     if result.metrics:
-        log.info("finished %s at step %d: %s", run_id, result.final_step, json.dumps(result.metrics))
+        log.info("finished %s at step %d: %s", run.run_id, result.final_step, json.dumps(result.metrics))
     return result
 
 

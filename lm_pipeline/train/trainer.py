@@ -12,6 +12,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import equinox as eqx
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lm_pipeline.batch import LmBatch, SequenceDataset
+from lm_pipeline.batch import LmBatch, SequenceDataset, device_put_batch
 from lm_pipeline.compute import ComputePlan, plan_for_mesh
 from lm_pipeline.models.base import LmModel
 from lm_pipeline.schema import ConfigError
@@ -159,6 +160,23 @@ def _layout(model_cfg, opt_cfg: OptimizerConfig, precision: Precision, vocab_siz
     return _Layout(tx, model_static, param_shardings, compute_shardings, state_shardings, abstract, init_arrays)
 
 
+@dataclass(frozen=True)
+class _StepContext:
+    """What the step computes with, fixed when the step functions are built (closed over by jit)."""
+
+    lay: _Layout
+    compute: ComputePlan
+    precision: Precision
+    micro: int
+    accum: int
+    plan: MeshPlan
+    dropout_active: bool
+
+    @property
+    def scaling(self) -> bool:
+        return self.precision.uses_loss_scaling
+
+
 def build_step_functions(
     model_cfg,
     opt_cfg: OptimizerConfig,
@@ -181,86 +199,19 @@ def build_step_functions(
         compute = plan_for_mesh(plan.mesh, precision.compute, loss_scaling=precision.uses_loss_scaling)
     lay = _layout(model_cfg, opt_cfg, precision, vocab_size, num_train_steps, plan)
     dropout_active = any(getattr(model_cfg, n, 0.0) > 0 for n in ("embed_pdrop", "resid_pdrop", "attn_pdrop"))
+    ctx = _StepContext(lay, compute, precision, micro, accum, plan, dropout_active)
     replicated, batch_sharding = plan.replicated(), plan.batch_sharding()
-    seg_sharding = batch_sharding if has_segments else None
-    scaling = precision.uses_loss_scaling
-
-    def grad_sums(params, tokens, seg, key, scale):
-        """(loss sum, token count, gradients of ``scale * loss sum``); scale = the f16 loss scale, else 1."""
-
-        def f(p):
-            p = jax.lax.with_sharding_constraint(cast_floating(p, precision.compute), lay.compute_shardings)
-            model = eqx.combine(p, lay.model_static)
-            s, n = model_loss_sums(model, tokens, seg, key=key, inference=not dropout_active, plan=compute)
-            return s * scale if scaling else s, (s, n)
-
-        (_, (s, n)), g = jax.value_and_grad(f, has_aux=True)(params)
-        return s, n, g
-
-    def accumulated(params, tokens, seg, step_key, scale):
-        if accum == 1:
-            return grad_sums(params, tokens, seg, step_key, scale)
-        # Micro-batch i = rows i, i+accum, ...: each micro-batch stays spread over all
-        # data-parallel devices.
-        spec = jax.sharding.PartitionSpec(None, *batch_sharding.spec)
-
-        def split(x):
-            x = x.reshape(micro, accum, *x.shape[1:]).swapaxes(0, 1)
-            return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(plan.mesh, spec))
-
-        mtoks, mseg = split(tokens), (split(seg) if seg is not None else None)
-
-        def body(carry, i):
-            s, n, g = grad_sums(params, mtoks[i], mseg[i] if mseg is not None else None,
-                                jax.random.fold_in(step_key, i), scale)
-            return jax.tree.map(jnp.add, carry, (s, n, g)), None
-
-        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        return jax.lax.scan(body, zeros, jnp.arange(accum))[0]
-
-    def train_step(state: TrainState, tokens, seg, poison: bool = False):
-        params = state.model
-        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
-        scale = loss_scale(state.opt_state)
-        loss_sum, count, grads = accumulated(params, tokens, seg, step_key, scale)
-        count = jnp.maximum(count, 1.0)
-        denom = count * scale if scaling else count
-        grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / denom), grads)
-        loss = loss_sum / count
-        if poison:  # the fault suite's second program (injected_nonfinite_steps), never the production one
-            loss = jnp.full_like(loss, jnp.nan)
-            grads = jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), grads)
-        grads = jax.lax.with_sharding_constraint(grads, lay.param_shardings)
-        updates, opt_state = lay.tx.update(grads, state.opt_state, params, loss=loss)
-        metrics = {
-            "train/loss": loss,
-            "optim/grad_norm": optax.global_norm(grads),
-            "optim/update_norm": optax.global_norm(updates),
-            "optim/skipped_steps": skipped_steps(opt_state),
-        }
-        if scaling:
-            metrics["optim/loss_scale"] = loss_scale(opt_state)
-        return TrainState(state.step + 1, optax.apply_updates(params, updates), opt_state, state.key), metrics
+    in_shardings = (lay.state_shardings, batch_sharding, batch_sharding if has_segments else None)
 
     def jit_train(poison: bool) -> StepFn:
-        return jax.jit(
-            lambda state, tokens, seg: train_step(state, tokens, seg, poison),
-            in_shardings=(lay.state_shardings, batch_sharding, seg_sharding),
-            out_shardings=(lay.state_shardings, replicated),
-            donate_argnums=(0,),
-        )
+        return jax.jit(partial(_train_step, ctx, poison=poison), in_shardings=in_shardings,
+                       out_shardings=(lay.state_shardings, replicated), donate_argnums=(0,))
 
-    def eval_step(state: TrainState, tokens, seg):
-        model = eqx.combine(cast_floating(state.model, precision.compute), lay.model_static)
-        return model_loss_sums(model, tokens, seg, key=None, inference=True, plan=compute)
-
-    jit_eval = jax.jit(eval_step, in_shardings=(lay.state_shardings, batch_sharding, seg_sharding),
-                       out_shardings=(replicated, replicated))
     poisoned = injected_nonfinite_steps()
     return StepFunctions(
         init=jax.jit(lay.init_arrays, out_shardings=lay.state_shardings),
         train_step=jit_train(False),
-        eval_step=jit_eval,
+        eval_step=jax.jit(partial(_eval_step, ctx), in_shardings=in_shardings, out_shardings=(replicated, replicated)),
         state_shardings=lay.state_shardings,
         abstract_state=lay.abstract_state,
         compute=compute,
@@ -269,22 +220,80 @@ def build_step_functions(
     )
 
 
+def _grad_sums(ctx: _StepContext, params, tokens, seg, key, scale):
+    """(loss sum, token count, gradients of ``scale * loss sum``); scale = the f16 loss scale, else 1."""
+
+    def f(p):
+        p = jax.lax.with_sharding_constraint(cast_floating(p, ctx.precision.compute), ctx.lay.compute_shardings)
+        model = eqx.combine(p, ctx.lay.model_static)
+        s, n = model_loss_sums(model, tokens, seg, key=key, inference=not ctx.dropout_active, plan=ctx.compute)
+        return s * scale if ctx.scaling else s, (s, n)
+
+    (_, (s, n)), g = jax.value_and_grad(f, has_aux=True)(params)
+    return s, n, g
+
+
+def _accumulated_grads(ctx: _StepContext, params, tokens, seg, step_key, scale):
+    """:func:`_grad_sums` summed over the step's micro-batches (a scan when there are several)."""
+    if ctx.accum == 1:
+        return _grad_sums(ctx, params, tokens, seg, step_key, scale)
+    # Micro-batch i = rows i, i+accum, ...: each micro-batch stays spread over all
+    # data-parallel devices.
+    sharding = jax.sharding.NamedSharding(ctx.plan.mesh, jax.sharding.PartitionSpec(None, *ctx.plan.batch_sharding().spec))
+
+    def split(x):
+        return jax.lax.with_sharding_constraint(x.reshape(ctx.micro, ctx.accum, *x.shape[1:]).swapaxes(0, 1), sharding)
+
+    mtoks, mseg = split(tokens), (split(seg) if seg is not None else None)
+
+    def body(carry, i):
+        out = _grad_sums(ctx, params, mtoks[i], mseg[i] if mseg is not None else None,
+                         jax.random.fold_in(step_key, i), scale)
+        return jax.tree.map(jnp.add, carry, out), None
+
+    zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    return jax.lax.scan(body, zeros, jnp.arange(ctx.accum))[0]
+
+
+def _train_step(ctx: _StepContext, state: TrainState, tokens, seg, *, poison: bool = False):
+    """One optimizer step on a global batch: (new state, metrics)."""
+    params = state.model
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
+    scale = loss_scale(state.opt_state)
+    loss_sum, count, grads = _accumulated_grads(ctx, params, tokens, seg, step_key, scale)
+    count = jnp.maximum(count, 1.0)
+    denom = count * scale if ctx.scaling else count
+    grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / denom), grads)
+    loss = loss_sum / count
+    if poison:  # the fault suite's second program (injected_nonfinite_steps), never the production one
+        loss = jnp.full_like(loss, jnp.nan)
+        grads = jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), grads)
+    grads = jax.lax.with_sharding_constraint(grads, ctx.lay.param_shardings)
+    updates, opt_state = ctx.lay.tx.update(grads, state.opt_state, params, loss=loss)
+    metrics = {
+        "train/loss": loss,
+        "optim/grad_norm": optax.global_norm(grads),
+        "optim/update_norm": optax.global_norm(updates),
+        "optim/skipped_steps": skipped_steps(opt_state),
+    }
+    if ctx.scaling:
+        metrics["optim/loss_scale"] = loss_scale(opt_state)
+    return TrainState(state.step + 1, optax.apply_updates(params, updates), opt_state, state.key), metrics
+
+
+def _eval_step(ctx: _StepContext, state: TrainState, tokens, seg):
+    """(loss sum, predicted tokens) of the state's model on a batch, no dropout, no gradients."""
+    model = eqx.combine(cast_floating(state.model, ctx.precision.compute), ctx.lay.model_static)
+    return model_loss_sums(model, tokens, seg, key=None, inference=True, plan=ctx.compute)
+
+
 # --- moving batches onto devices --------------------------------------------------------------
 
 
 def put_batch(batch: LmBatch, plan: MeshPlan) -> tuple[jax.Array, jax.Array | None]:
-    """Place this process's slice of a batch onto the mesh (multi-host safe)."""
-    sharding = plan.batch_sharding()
-
-    def put(x):
-        if x is None:
-            return None
-        x = np.asarray(x, dtype=np.int32)
-        if jax.process_count() == 1:
-            return jax.device_put(x, sharding)
-        return jax.make_array_from_process_local_data(sharding, x)
-
-    return put(batch.tokens), put(batch.segment_ids)
+    """Place this process's slice of a batch onto the mesh (multi-host safe): (tokens, segment ids)."""
+    tokens, segment_ids = device_put_batch(batch, plan.batch_sharding())
+    return tokens, segment_ids
 
 
 # --- evaluation -------------------------------------------------------------------------------
