@@ -15,7 +15,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from lm_pipeline import atomic
+from lm_pipeline import fs
 from lm_pipeline.config import RunConfig, load_config
 from lm_pipeline.eval.config import resolve_dtype
 from lm_pipeline.models.base import LmModel
@@ -69,8 +69,8 @@ def load_model_from_checkpoint(path: str | os.PathLike, *, dtype: Any = None) ->
     from lm_pipeline.train.checkpoint import load, read_metadata
 
     step_dir = resolve_checkpoint(path)
-    cfg_path = atomic.join(step_dir, CONFIG_FILE)
-    if not atomic.is_local(cfg_path):
+    cfg_path = fs.as_local(fs.join(step_dir, CONFIG_FILE))
+    if cfg_path is None:
         raise ValueError(f"{step_dir}: loading from a remote checkpoint is not supported here; copy it locally first")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{step_dir} has no {CONFIG_FILE}: cannot tell which model it holds")

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lm_pipeline.data.sources.readers import ReaderSettings
-from lm_pipeline.data.sources.streams import is_local, local_path, sha256_of
+from lm_pipeline.data.sources.streams import local_path, sha256_of
 from lm_pipeline.data.validation import RawRecord
+from lm_pipeline.fs import is_local
 from lm_pipeline.schema import ConfigError
 
 __all__ = ["HFSpec", "content_identity", "is_disk_dataset", "iter_hf", "load_hf"]

@@ -24,7 +24,8 @@ from lm_pipeline.data.config import DEFAULT_VALIDATION_SET, DataConfig
 from lm_pipeline.data.sources.hf import HFSpec, content_identity, is_disk_dataset, load_hf
 from lm_pipeline.data.sources.readers import ReaderSettings, infer_format
 from lm_pipeline.data.sources.shard import Shard, shard_fingerprint
-from lm_pipeline.data.sources.streams import is_local, local_path
+from lm_pipeline.data.sources.streams import local_path
+from lm_pipeline.fs import is_local
 from lm_pipeline.schema import ConfigError
 
 __all__ = ["expand_urls", "resolve_shards", "split_names", "validation_sets"]

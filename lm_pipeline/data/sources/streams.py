@@ -14,11 +14,12 @@ import io
 import os
 from typing import IO
 
+from lm_pipeline.fs import open_binary
+
 __all__ = [
     "CORRUPT_STREAM_ERRORS",
     "HashingReader",
     "decompress",
-    "is_local",
     "local_path",
     "open_raw",
     "sha256_of",
@@ -27,23 +28,16 @@ __all__ = [
 BLOCK = 1 << 20  # bytes per read while hashing
 
 
-def is_local(url: str) -> bool:
-    """Whether ``url`` is a local path (plain or ``file://``) rather than an fsspec URL."""
-    return "://" not in url or url.startswith("file://")
-
-
 def local_path(url: str) -> str:
-    """The filesystem path of a local ``url`` (``file://`` stripped, ``~`` expanded)."""
+    """The filesystem path of a local ``url`` (``file://`` stripped, ``~`` expanded), relative
+    paths kept relative: shard names as the config spells them enter the fingerprints, so
+    unlike :func:`lm_pipeline.fs.local_path` this does not make them absolute."""
     return os.path.expanduser(url[len("file://") :] if url.startswith("file://") else url)
 
 
 def open_raw(url: str) -> IO[bytes]:
     """The raw (still compressed) bytes of ``url``, as a binary file object."""
-    if is_local(url):
-        return open(local_path(url), "rb")
-    import fsspec
-
-    return fsspec.open(url, "rb").open()
+    return open_binary(url)
 
 
 class HashingReader(io.RawIOBase):
