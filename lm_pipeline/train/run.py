@@ -48,7 +48,13 @@ TRAIN_CODE_VERSION = 1
 
 
 def run_id_for(cfg: RunConfig, data_fingerprint: str | None = None) -> str:
-    """A run's id: ``trainer.id`` if given, else the fingerprint of what determines its weights."""
+    """A run's id when ``train`` is called without one: ``trainer.id`` if given, else ``run-`` and
+    :func:`~lm_pipeline.fingerprint.fingerprint` of the ``train_ckpt`` stage over the model, trainer
+    and optimizer sections with the data's fingerprint as input.
+
+    The pipeline names its runs by the ``train_ckpt`` address instead (``Pipeline.run_id``), which
+    also covers packing and the token cache's address; this form is kept for library callers, so
+    that their existing runs keep their ids (and resume)."""
     if cfg.trainer.id:
         return cfg.trainer.id
     semantic = {"model": cfg.model, "trainer": cfg.trainer, "optimizer": cfg.optimizer}
