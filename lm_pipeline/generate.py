@@ -6,13 +6,12 @@ allocated for ``prompt + max_new_tokens`` positions up front and each step write
 The whole loop is one XLA program, so there is no per-token Python or dispatch overhead. The
 loop ends early once every row has produced ``eos_id``.
 
-Layer unrolling (``unroll_layers``, default on for GPT-2 and Llama). The models keep their blocks
-stacked (``[layers, ...]`` arrays) and ``decode`` scans over them; inside the token loop XLA (on
-CPU at least) then copies every layer's weights out of the stacked arrays at every step, which
-roughly triples the memory traffic of batch-1 decoding. Here the stacked weights are split into
-per-layer arrays once, before the token loop, and the same blocks (the models' own ``Gpt2Block``
-/ ``LlamaBlock``) are applied layer by layer with one key/value buffer per layer. The numbers
-are those of ``model.decode`` (tested); other model families always use their ``decode``.
+Layer unrolling (``unroll_layers``, default on for models with stacked ``blocks``). The models
+keep their blocks stacked (``[layers, ...]`` arrays) and ``decode`` scans over them; inside the
+token loop a scan slices every layer's weights out of the stacked arrays at every step. Here the
+model's blocks are split into per-layer arrays once, before the token loop
+(:func:`lm_pipeline.models.layers.unstack_layers`), and the same ``model.decode`` applies them
+one by one with one key/value buffer per layer: same numbers, one decoder.
 
 Token selection: greedy (argmax) when ``temperature == 0``; otherwise sampling from
 ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens and to the
@@ -35,9 +34,7 @@ import numpy as np
 
 from lm_pipeline.compute import ComputePlan, plan_for_devices
 from lm_pipeline.models.base import LmModel
-from lm_pipeline.models.gpt2 import Gpt2Model
-from lm_pipeline.models.layers import decode_mask, rotary_cos_sin
-from lm_pipeline.models.llama import LlamaModel
+from lm_pipeline.models.layers import unstack_layers
 
 __all__ = ["generate", "generate_text", "select_tokens"]
 
@@ -79,47 +76,6 @@ def select_tokens(
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def _layer_blocks(model: LmModel) -> list[Any]:
-    """The stacked blocks of ``model`` as a list of per-layer blocks (separate arrays)."""
-    params, static = eqx.partition(model.blocks, eqx.is_array)
-    n = model.config.num_layers
-    return [eqx.combine(jax.tree.map(lambda x, i=i: x[i], params), static) for i in range(n)]
-
-
-def _unrolled_decoder(model: LmModel, batch: int, max_len: int, dtype: Any, plan: ComputePlan):
-    """(empty cache, decode) like ``model.init_cache`` / ``model.decode``, layers unrolled over
-    per-layer weights and per-layer cache buffers (see the module docstring)."""
-    cfg = model.config
-    blocks = _layer_blocks(model)
-    dtype = model.token_embeddings.dtype if dtype is None else dtype
-    if isinstance(model, Gpt2Model):
-        heads, head_dim = cfg.num_heads, cfg.head_dim
-    else:
-        heads, head_dim = cfg.num_kv_heads, cfg.head_size
-    shape = (batch, max_len, heads, head_dim)
-    cache = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in blocks]
-
-    def decode(tokens, cache, position):
-        s = tokens.shape[1]
-        mask = decode_mask(position, s, max_len)
-        new = []
-        if isinstance(model, Gpt2Model):  # as Gpt2Model.decode
-            pos_emb = jax.lax.dynamic_slice_in_dim(model.position_embeddings, position, s)
-            x = model.token_embeddings[tokens] + pos_emb[None]
-            for i, block in enumerate(blocks):
-                x, kv = block(x, cfg, mask, jnp.int32(i), None, cache[i], position, plan)
-                new.append(kv)
-        else:  # as LlamaModel.decode
-            rope = rotary_cos_sin((position + jnp.arange(s))[None], cfg.head_size, cfg.rope_theta)
-            x = model.token_embeddings[tokens]
-            for i, block in enumerate(blocks):
-                x, kv = block(x, cfg, mask, rope, cache[i], position, plan)
-                new.append(kv)
-        return plan.lm_logits(*model.output_head(x)), new
-
-    return cache, decode
-
-
 @eqx.filter_jit
 def _generate(
     model: LmModel,
@@ -145,12 +101,11 @@ def _generate(
     # Positions used: 0 .. p + max_new - 2 (the last token is chosen, never fed back).
     max_len = p + max_new - 1
     if unroll_layers:
-        cache, decode = _unrolled_decoder(model, b, max_len, cache_dtype, plan)
-    else:
-        cache = model.init_cache(b, max_len, cache_dtype)
+        model = unstack_layers(model)
+    cache = model.init_cache(b, max_len, cache_dtype)
 
-        def decode(tokens, cache, position):
-            return model.decode(tokens, cache, position, plan=plan)
+    def decode(tokens, cache, position):
+        return model.decode(tokens, cache, position, plan=plan)
     logits, cache = decode(prompt, cache, jnp.int32(0))
     tok = select(logits[:, -1], 0)
     out = jnp.full((b, max_new), pad_id, jnp.int32)
@@ -206,7 +161,7 @@ def generate(
         vocab_size: never choose ids >= vocab_size (padded model vocabularies).
         dtype: cast the parameters (and the cache) first, e.g. ``"bfloat16"``.
         unroll_layers: per-layer weights and caches (see the module docstring); None = for
-            GPT-2 and Llama models; False = always ``model.decode``.
+            models with stacked ``blocks``; False = the stacked model as it is.
         plan: how the model computes; default: the plan for one device of the default backend
             in the parameters' dtype (:func:`lm_pipeline.compute.plan_for_devices`).
 
@@ -241,9 +196,9 @@ def generate(
         model = cast_floating(model, cache_dtype)
     if pad_id is None:
         pad_id = eos_id if eos_id is not None else 0
-    known = isinstance(model, (Gpt2Model, LlamaModel))
+    known = hasattr(model, "blocks")
     if unroll_layers and not known:
-        raise ValueError(f"unroll_layers is implemented for GPT-2 and Llama models, not {type(model).__name__}")
+        raise ValueError(f"unroll_layers needs a model with stacked blocks, not {type(model).__name__}")
     unroll = known if unroll_layers is None else unroll_layers
     greedy = temperature == 0
     if plan is None:

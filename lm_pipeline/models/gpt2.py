@@ -47,6 +47,7 @@ from lm_pipeline.models.layers import (
     KVCache,
     LayerNorm,
     Mlp,
+    PerLayer,
     decode_mask,
     dropout,
     logical_axes,
@@ -153,7 +154,8 @@ class Gpt2Model(LmModel):
         if max_len > cfg.seq_len:
             raise ValueError(f"max_len {max_len} exceeds the model's seq_len {cfg.seq_len}")
         dtype = self.token_embeddings.dtype if dtype is None else dtype
-        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_heads, cfg.head_dim, dtype)
+        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_heads, cfg.head_dim, dtype,
+                            per_layer=isinstance(self.blocks, PerLayer))
 
     def decode(self, tokens, cache: KVCache, position, *, plan: ComputePlan = REFERENCE):
         """See :meth:`LmModel.decode`. Positions must stay below ``min(seq_len, cache.max_len)``

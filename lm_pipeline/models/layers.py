@@ -145,19 +145,26 @@ def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None, plan: ComputePlan) 
 
 
 class KVCache(eqx.Module):
-    """Keys and values of all layers for incremental decoding: ``[layers, B, max_len, K, H]``."""
+    """Keys and values of all layers for incremental decoding: ``[layers, B, max_len, K, H]``
+    stacked, or a :class:`PerLayer` of ``[B, max_len, K, H]`` arrays for a model whose blocks
+    are unstacked (:func:`unstack_layers`)."""
 
-    k: jax.Array
-    v: jax.Array
+    k: Any
+    v: Any
 
     @classmethod
-    def zeros(cls, layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype: Any):
+    def zeros(cls, layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype: Any,
+              *, per_layer: bool = False):
+        if per_layer:
+            shape = (batch, max_len, kv_heads, head_dim)
+            return cls(PerLayer(jnp.zeros(shape, dtype) for _ in range(layers)),
+                       PerLayer(jnp.zeros(shape, dtype) for _ in range(layers)))
         shape = (layers, batch, max_len, kv_heads, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]  # layer 0's [B, max_len, K, H], stacked or not
 
 
 class Attention(eqx.Module):
@@ -360,6 +367,34 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- layer scan
 
 
+class PerLayer(tuple):
+    """One entry per layer, where stacked arrays would have a leading ``layers`` axis: the blocks
+    of an unstacked model, its per-layer cache buffers. A pytree node like a tuple."""
+
+
+jax.tree_util.register_pytree_node(PerLayer, lambda t: (tuple(t), None), lambda _, children: PerLayer(children))
+
+
+def layer_slice(tree: Any, i: int) -> Any:
+    """Layer ``i`` of per-layer inputs: entry ``i`` of each :class:`PerLayer`, row ``i`` of each
+    stacked array."""
+    return jax.tree.map(lambda a: a[i], tree, is_leaf=lambda n: isinstance(n, PerLayer))
+
+
+def unstack_layers(model: eqx.Module) -> eqx.Module:
+    """``model`` with its stacked ``blocks`` split into a :class:`PerLayer` of per-layer blocks.
+
+    Same values; :func:`scan_blocks` then applies the layers one by one over separate arrays. For
+    a decode loop: inside ``lax.while_loop`` a scan would slice every layer's weights out of the
+    stacked arrays at every step, roughly tripling the memory traffic of batch-1 decoding; split
+    once before the loop, the weights are read in place.
+    """
+    params, static = eqx.partition(model.blocks, eqx.is_array)
+    n = jax.tree.leaves(params)[0].shape[0]
+    blocks = PerLayer(eqx.combine(jax.tree.map(lambda x, i=i: x[i], params), static) for i in range(n))
+    return eqx.tree_at(lambda m: m.blocks, model, blocks)
+
+
 def stack_blocks(make: Callable[[jax.Array], eqx.Module], num_layers: int, key: jax.Array) -> Any:
     """Build ``num_layers`` blocks with their arrays stacked on a leading ``layers`` axis."""
     return eqx.filter_vmap(make)(jax.random.split(key, num_layers))
@@ -376,12 +411,26 @@ def scan_blocks(
 ) -> tuple[jax.Array, Any]:
     """``x = apply(block_i, x, xs[i])`` for each stacked block, with ``jax.lax.scan``.
 
+    ``blocks`` may be a :class:`PerLayer` of unstacked blocks (:func:`unstack_layers`): the layers
+    are then applied one by one and the ``y`` come back as :class:`PerLayer` leaves.
+
     ``apply`` returns ``(x, y)``; the ``y`` are stacked. With ``checkpoint`` each layer is
     rematerialised in the backward pass, saving only the residual stream between layers
     (policy ``nothing_saveable``: activation memory O(layers x B x T x D)). Otherwise the plan's
     remat policy, if any, wraps each layer, and without one the plan says whether the stack is
     unrolled (same results; see :class:`~lm_pipeline.compute.ComputePlan`).
     """
+    policy = plan.remat_policy()
+    if checkpoint:
+        policy = jax.checkpoint_policies.nothing_saveable
+    if isinstance(blocks, PerLayer):  # unstacked (see unstack_layers): one layer after another
+        layer = apply if policy is None else jax.checkpoint(apply, policy=policy, prevent_cse=False)
+        ys = []
+        for i, block in enumerate(blocks):
+            x, y = layer(block, x, layer_slice(xs, i))
+            ys.append(y)
+        return x, jax.tree.map(lambda *per: PerLayer(per), *ys)
+
     params, static = eqx.partition(blocks, eqx.is_array)
     leaves = jax.tree.leaves(params)
     num_layers = leaves[0].shape[0] if leaves else 0
@@ -391,10 +440,7 @@ def scan_blocks(
         return apply(eqx.combine(p, static), h, extra)
 
     unroll: bool | int = 1
-    policy = plan.remat_policy()
-    if checkpoint:
-        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-    elif policy is not None:
+    if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     else:
         unroll = plan.unroll(num_layers)

@@ -45,6 +45,7 @@ from lm_pipeline.models.layers import (
     Attention,
     KVCache,
     Mlp,
+    PerLayer,
     RmsNorm,
     decode_mask,
     logical_axes,
@@ -137,7 +138,8 @@ class LlamaModel(LmModel):
         cfg = self.config
         max_len = cfg.seq_len if max_len is None else max_len
         dtype = self.token_embeddings.dtype if dtype is None else dtype
-        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_size, dtype)
+        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_size, dtype,
+                            per_layer=isinstance(self.blocks, PerLayer))
 
     def decode(self, tokens, cache: KVCache, position, *, plan: ComputePlan = REFERENCE):
         """See :meth:`LmModel.decode`. Positions must stay below ``cache.max_len`` (cache writes
