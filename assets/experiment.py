@@ -12,10 +12,11 @@ relative ``store.root`` is resolved against the working directory at load time.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +26,12 @@ EXPERIMENT_ENV = "LM_PIPELINE_EXPERIMENT"
 OVERRIDES_ENV = "LM_PIPELINE_OVERRIDES"
 
 
-def parse_override_text(text: str | None) -> list[str]:
-    """``"a.b=1 c.d='x y'"`` -> ``["--a.b=1", "--c.d=x y"]`` (the CLI's override form)."""
-    out = []
-    for item in shlex.split(text or ""):
-        item = item[2:] if item.startswith("--") else item
-        if "=" not in item or item.startswith("="):
-            raise ValueError(f"${OVERRIDES_ENV}: expected section.field=value, got {item!r}")
-        out.append(f"--{item}")
-    return out
+def parse_override_text(text: str | None) -> list[tuple[str, Any]]:
+    """``"a.b=1 c.d='x y'"`` -> ``[("a.b", 1), ("c.d", "x y")]``: the command line's parser
+    (:func:`lm_pipeline.config.parse_override_text`), errors naming ``$LM_PIPELINE_OVERRIDES``."""
+    from lm_pipeline.config import parse_override_text as parse
+
+    return parse(text, source=f"${OVERRIDES_ENV}")
 
 
 @dataclass(frozen=True)
@@ -41,8 +39,10 @@ class Experiment:
     """An experiment config as loaded for the definitions."""
 
     path: str
-    overrides: tuple[str, ...]
+    overrides: tuple[tuple[str, Any], ...]  # (dotted key, value) pairs applied to the file
     cfg: Any  # RunConfig
+    # One Pipeline per store root, so a process computes each stage's address once.
+    _pipelines: dict[tuple[str, bool], Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -53,12 +53,19 @@ class Experiment:
         return self.cfg.store.root
 
     def pipeline(self, store=None, *, progress: bool = False):
+        """The experiment's :class:`~lm_pipeline.steps.Pipeline` over ``store`` (default: its own
+        store root), made once per store root: its addresses are computed once per process."""
         from lm_pipeline.steps import Pipeline
+        from lm_pipeline.store import ArtifactStore
 
-        return Pipeline(self.cfg, store, progress=progress)
+        store = store or ArtifactStore(self.store_root)
+        key = (store.root, progress)
+        if key not in self._pipelines:
+            self._pipelines[key] = Pipeline(self.cfg, store, progress=progress)
+        return self._pipelines[key]
 
     def describe(self) -> str:
-        extra = f" with {' '.join(o[2:] for o in self.overrides)}" if self.overrides else ""
+        extra = " with " + " ".join(f"{k}={json.dumps(v, default=str)}" for k, v in self.overrides) if self.overrides else ""
         return f"{self.path}{extra}"
 
 
@@ -72,21 +79,18 @@ def _absolute_root(root: str) -> str:
 def load_experiment(path: str | os.PathLike | None = None, overrides: Sequence[str] | str | None = None,
                     env: Mapping[str, str] | None = None) -> Experiment:
     """Load the experiment: explicit arguments, else the environment, else the default."""
-    from lm_pipeline.config import load_config
-    from lm_pipeline.schema import from_dict, to_dict
+    from lm_pipeline.config import load_config, parse_overrides
 
     env = os.environ if env is None else env
     chosen = os.fspath(path) if path is not None else (env.get(EXPERIMENT_ENV) or "").strip() or str(DEFAULT_EXPERIMENT)
     if overrides is None:
-        args = parse_override_text(env.get(OVERRIDES_ENV))
+        pairs = parse_override_text(env.get(OVERRIDES_ENV))
     elif isinstance(overrides, str):
-        args = parse_override_text(overrides)
+        pairs = parse_override_text(overrides)
     else:
-        args = [o if o.startswith("--") else f"--{o}" for o in overrides]
-    cfg = load_config(chosen, args)
+        pairs = parse_overrides([o if o.startswith("--") else f"--{o}" for o in overrides])
+    cfg = load_config(chosen, pairs)
     root = _absolute_root(cfg.store.root)
-    if root != cfg.store.root:
-        raw = to_dict(cfg)
-        raw["store"]["root"] = root
-        cfg = from_dict(type(cfg), raw)
-    return Experiment(os.path.abspath(chosen), tuple(args), cfg)
+    if root != cfg.store.root:  # a plain string field: replaced without parsing the config again
+        cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, root=root))
+    return Experiment(os.path.abspath(chosen), tuple(pairs), cfg)

@@ -43,6 +43,7 @@ import dagster as dg
 
 from assets import metadata as md
 from assets.experiment import Experiment, load_experiment
+from lm_pipeline.steps import STAGE_NAMES
 from resources import (
     ArtifactStoreResource,
     JaxRuntimeResource,
@@ -55,7 +56,7 @@ GROUP = "pipeline"
 EVAL_GROUP = "evaluation"
 PIPELINE_JOB = "pipeline"
 EVAL_JOB = "evaluate_checkpoints"
-LINEAGE = ("raw_shards", "tokenizer", "token_cache", "train_ckpt", "eval_report", "hf_export")
+LINEAGE = STAGE_NAMES
 CHECKPOINTS = dg.DynamicPartitionsDefinition(name="checkpoints")
 CHECKPOINT_TAG = "lm_pipeline/checkpoint"
 TRAIN_RETRIES = 2
@@ -73,12 +74,6 @@ def parse_checkpoint_key(key: str) -> tuple[str, int]:
     if not m:
         raise ValueError(f"not a checkpoint partition key: {key!r} (expected <fingerprint>-step<N>)")
     return m.group("fp"), int(m.group("step"))
-
-
-def _pipeline(exp: Experiment, store: ArtifactStoreResource, cfg=None):
-    from lm_pipeline.steps import Pipeline
-
-    return Pipeline(cfg or exp.cfg, store.store(), progress=False)
 
 
 def _result(res, metadata: Mapping[str, Any]) -> dg.MaterializeResult:
@@ -124,7 +119,7 @@ def _train_in_process(context, pipe, fp: str, poll: float) -> Iterator[Any]:
         if shown:
             context.log.info(f"step {info.step}: {shown}")
 
-    hooks = [Hook(log_metrics, every=pipe.cfg.trainer.log_every), *fault_hooks(run_dir, hard=False)]
+    hooks = [Hook(log_metrics, every=pipe.cfg.trainer.log_every), *fault_hooks(run_dir)]
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train") as pool:
         fut = pool.submit(pipe.train_ckpt, hooks)
         while True:
@@ -207,41 +202,54 @@ def _train_with_pipes(context, pipe, fp: str, cfg, store: ArtifactStoreResource,
 # --------------------------------------------------------------------------------------------
 
 
+#: What each stage's materialization shows in the UI (assets/metadata.py), by stage.
+METADATA = {"raw_shards": md.raw_shards, "tokenizer": md.tokenizer, "token_cache": md.token_cache,
+            "train_ckpt": md.train_ckpt, "eval_report": md.eval_report, "hf_export": md.hf_export}
+
+
 def build_assets(exp: Experiment) -> list:
-    """The assets of the experiment (six lineage assets and ``checkpoint_eval``)."""
-    from lm_pipeline.fingerprint import hash_json, semantic_view
-    from lm_pipeline.steps import CODE_VERSIONS, CacheGroup
-
+    """The assets of the experiment: one per stage of the table (``lm_pipeline.steps.STAGES``),
+    plus ``checkpoint_eval``. ``token_cache`` (fanned out) and ``train_ckpt`` (a training process)
+    have their own factories; every other stage is a plain asset around its build function."""
     base = exp.pipeline()
-    versions = base.config_versions()
-    eval_version = hash_json({"eval": semantic_view(base.eval_config), "code_version": CODE_VERSIONS["eval_report"]})
+    special = {"token_cache": _token_cache_asset, "train_ckpt": _train_ckpt_asset}
+    assets = []
+    for stage in base.stages.values():
+        spec = {"group_name": GROUP, "code_version": base.config_version(stage.name), "kinds": {stage.kind},
+                "description": stage.description,
+                "metadata": {"experiment": dg.MetadataValue.text(exp.describe()),
+                             "semantic_config": dg.MetadataValue.json(
+                                 json.loads(json.dumps(base.stage_config(stage.name), default=str))),
+                             "fingerprint_inputs": dg.MetadataValue.text(
+                                 ", ".join(base.input_stages(stage.name)) or "the data's content")}}
+        assets.append(special.get(stage.name, _stage_asset)(exp, stage, spec))
+    assets.append(_checkpoint_eval_asset(exp))
+    return assets
 
-    def static(stage: str) -> dict[str, Any]:
-        conf, upstream = base._stage_config(stage)
-        return {"experiment": dg.MetadataValue.text(exp.describe()),
-                "semantic_config": dg.MetadataValue.json(json.loads(json.dumps(conf, default=str))),
-                "fingerprint_inputs": dg.MetadataValue.text(", ".join(upstream) or "the data's content")}
 
-    @dg.asset(key="raw_shards", group_name=GROUP, code_version=versions["raw_shards"], kinds={"python"},
-              metadata=static("raw_shards"),
-              description="Every raw text shard, validated under the experiment's policy, with per-shard counts.")
-    def raw_shards(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
-        res = _pipeline(exp, store).raw_shards()
+def _stage_asset(exp: Experiment, stage, spec: dict[str, Any]):
+    """A stage as one asset: build it (a hit does no work); checkpoint readers never train."""
+
+    @dg.asset(key=stage.name, deps=list(stage.upstream), **spec)
+    def _asset(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
+        pipe = exp.pipeline(store.store())
+        if stage.per_checkpoint:
+            _require_trained(pipe)
+        res = pipe.build(stage.name)
         _log(context, res)
-        return _result(res, md.raw_shards(res))
+        return _result(res, METADATA[stage.name](res))
 
-    @dg.asset(key="tokenizer", deps=["raw_shards"], group_name=GROUP, code_version=versions["tokenizer"],
-              kinds={"python"}, metadata=static("tokenizer"),
-              description="The byte-level BPE trained on the training shards (or the configured HF tokenizer).")
-    def tokenizer(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
-        res = _pipeline(exp, store).tokenizer()
-        _log(context, res)
-        return _result(res, md.tokenizer(res))
+    return _asset
 
-    @dg.op(name="token_cache_plan", ins={"raw_shards": dg.In(dg.Nothing), "tokenizer": dg.In(dg.Nothing)},
+
+def _token_cache_asset(exp: Experiment, stage, spec: dict[str, Any]):
+    """``token_cache`` as a graph: a plan op fans out one op per shard group, a commit op joins them."""
+    from lm_pipeline.steps import CacheGroup
+
+    @dg.op(name="token_cache_plan", ins={up: dg.In(dg.Nothing) for up in stage.upstream},
            out=dg.DynamicOut(dict), description="Hit: nothing to do. Miss: one output per shard group.")
     def token_cache_plan(context: dg.OpExecutionContext, store: ArtifactStoreResource):
-        pipe = _pipeline(exp, store)
+        pipe = exp.pipeline(store.store())
         hit = pipe.cached("token_cache")
         if hit is not None:
             context.log.info(f"token_cache {hit.fingerprint}: cache hit, no shard group to tokenize")
@@ -253,7 +261,7 @@ def build_assets(exp: Experiment) -> list:
 
     @dg.op(name="token_cache_group", description="Tokenize one shard group into its part of the cache.")
     def token_cache_group(context: dg.OpExecutionContext, group: dict, store: ArtifactStoreResource) -> dict:
-        info = _pipeline(exp, store).token_cache_part(CacheGroup.from_dict(group))
+        info = exp.pipeline(store.store()).token_cache_part(CacheGroup.from_dict(group))
         context.log.info(f"group {info['group']}: {info.get('num_docs')} docs, {info.get('num_tokens')} tokens "
                          f"in {info['seconds']:.1f}s")
         return info
@@ -261,71 +269,67 @@ def build_assets(exp: Experiment) -> list:
     @dg.op(name="token_cache_commit", out=dg.Out(dg.Nothing),
            description="Assemble the groups' parts into the token cache and commit it (a hit if complete).")
     def token_cache_commit(context: dg.OpExecutionContext, parts: list, store: ArtifactStoreResource):
-        res = _pipeline(exp, store).token_cache_commit(parts)
+        res = exp.pipeline(store.store()).token_cache_commit(parts)
         _log(context, res)
-        meta = md.token_cache(res)
+        meta = METADATA["token_cache"](res)
         meta["groups_tokenized_in_this_run"] = dg.MetadataValue.int(len(parts))
         with warnings.catch_warnings():  # Output(data_version=...) is marked beta
             warnings.simplefilter("ignore")
             return dg.Output(None, data_version=dg.DataVersion(res.fingerprint), metadata=meta)
 
-    @dg.graph_asset(name="token_cache", ins={"raw_shards": dg.AssetIn("raw_shards", dagster_type=dg.Nothing),
-                                             "tokenizer": dg.AssetIn("tokenizer", dagster_type=dg.Nothing)},
-                    group_name=GROUP, code_version=versions["token_cache"], kinds={"tensorstore"},
-                    metadata=static("token_cache"),
-                    description="Every split tokenized into a TensorStore token cache, fanned out over shard groups.")
+    spec = {**spec, "description": spec["description"][:-1] + ", fanned out over shard groups."}
+
+    @dg.graph_asset(name=stage.name, ins={up: dg.AssetIn(up, dagster_type=dg.Nothing) for up in stage.upstream},
+                    **spec)
     def token_cache(raw_shards, tokenizer):
         groups = token_cache_plan(raw_shards=raw_shards, tokenizer=tokenizer)
         return token_cache_commit(groups.map(token_cache_group).collect())
 
-    @dg.asset(key="train_ckpt", deps=["token_cache"], group_name=GROUP, code_version=versions["train_ckpt"],
-              kinds={"jax"}, metadata=static("train_ckpt"),
-              retry_policy=dg.RetryPolicy(max_retries=TRAIN_RETRIES, delay=2),
-              description="The training run (resumable): its checkpoints, metrics and loss curve. Each "
-                          "checkpoint is reported as an observation as it lands.")
+    return token_cache
+
+
+def _train_ckpt_asset(exp: Experiment, stage, spec: dict[str, Any]):
+    """``train_ckpt``: through the ``training`` resource (Pipes or in-process), retried; each
+    checkpoint is reported as an observation as it lands."""
+    spec = {**spec, "description": spec["description"] + " Each checkpoint is reported as an observation "
+                                                          "as it lands."}
+
+    @dg.asset(key=stage.name, deps=list(stage.upstream), retry_policy=dg.RetryPolicy(max_retries=TRAIN_RETRIES, delay=2),
+              **spec)
     def train_ckpt(context: dg.AssetExecutionContext, store: ArtifactStoreResource, training: TrainingLauncherResource,
                    jax_runtime: JaxRuntimeResource, tracking: TrackingResource):
-        pipe = _pipeline(exp, store)
+        pipe = exp.pipeline(store.store())
         fp = pipe.address("train_ckpt").fingerprint
         hit = pipe.cached("train_ckpt")
         if hit is not None:
             _log(context, hit)
-            yield _result(hit, md.train_ckpt(hit))
+            yield _result(hit, METADATA["train_ckpt"](hit))
             return
         if context.retry_number:
             from lm_pipeline.train.checkpoint import latest_checkpoint
 
             context.log.info(f"attempt {context.retry_number + 1}: resuming from {latest_checkpoint(pipe.run_dir())}")
         cfg = apply_runtime_overrides(exp.cfg, jax_runtime, tracking)
-        run_pipe = _pipeline(exp, store, cfg)
-        if run_pipe.address("train_ckpt").fingerprint != fp:
-            raise dg.Failure("runtime overrides changed the run's fingerprint")
+        try:
+            run_pipe = pipe.with_config(cfg)  # same addresses: shared, not recomputed
+        except ValueError:
+            raise dg.Failure("runtime overrides changed the run's fingerprint") from None
         if training.validate_mode() == "pipes":
             res, extra = yield from _train_with_pipes(context, run_pipe, fp, cfg, store, training, jax_runtime)
         else:
             res, extra = yield from _train_in_process(context, run_pipe, fp, training.poll_seconds)
         _log(context, res)
-        yield _result(res, md.train_ckpt(res, extra))
+        yield _result(res, METADATA["train_ckpt"](res, extra))
 
-    @dg.asset(key="eval_report", deps=["train_ckpt", "token_cache"], group_name=GROUP,
-              code_version=versions["eval_report"], kinds={"pandas"}, metadata=static("eval_report"),
-              description="Loss, perplexity and bits per byte of the final checkpoint on every validation set, "
-                          "with a unigram baseline (Parquet + JSON).")
-    def eval_report(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
-        res = _require_trained(_pipeline(exp, store)).eval_report()
-        _log(context, res)
-        return _result(res, md.eval_report(res))
+    return train_ckpt
 
-    @dg.asset(key="hf_export", deps=["train_ckpt"], group_name=GROUP, code_version=versions["hf_export"],
-              kinds={"huggingface"}, metadata=static("hf_export"),
-              description="The final checkpoint as a Hugging Face transformers model directory.")
-    def hf_export(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
-        res = _require_trained(_pipeline(exp, store)).hf_export()
-        _log(context, res)
-        return _result(res, md.hf_export(res))
+
+def _checkpoint_eval_asset(exp: Experiment):
+    """``checkpoint_eval``: the eval_report stage of one checkpoint partition (any run)."""
+    base = exp.pipeline()
 
     @dg.asset(key="checkpoint_eval", deps=["train_ckpt"], partitions_def=CHECKPOINTS, group_name=EVAL_GROUP,
-              code_version=eval_version, kinds={"pandas"},
+              code_version=base.own_version("eval_report"), kinds={base.stage("eval_report").kind},
               description="The evaluation report of one training checkpoint (partition <run>-step<N>), "
                           "requested by new_checkpoint_sensor as checkpoints land.")
     def checkpoint_eval(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
@@ -334,23 +338,23 @@ def build_assets(exp: Experiment) -> list:
         pipe = _checkpoint_pipeline(path, store, eval_config=base.eval_config)
         res = pipe.eval_report(checkpoint=path)
         _log(context, res)
-        meta = md.eval_report(res)
+        meta = METADATA["eval_report"](res)
         meta["run_fingerprint"] = dg.MetadataValue.text(parse_checkpoint_key(key)[0])
         return _result(res, meta)
 
-    return [raw_shards, tokenizer, token_cache, train_ckpt, eval_report, hf_export, checkpoint_eval]
+    return checkpoint_eval
 
 
 def _checkpoint_pipeline(checkpoint: str, store: ArtifactStoreResource, *, eval_config=None):
     """A pipeline for the run a checkpoint belongs to (its saved config, this store)."""
-    from lm_pipeline.config import RunConfig, load_config
-    from lm_pipeline.schema import from_dict, to_dict
+    import dataclasses
+
+    from lm_pipeline.config import load_config
     from lm_pipeline.steps import Pipeline
 
     cfg = load_config(os.path.join(checkpoint, "config.yaml"))
-    raw = to_dict(cfg)
-    raw["store"]["root"] = store.root
-    return Pipeline(from_dict(RunConfig, raw), store.store(), progress=False, eval_config=eval_config)
+    cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, root=store.root))  # not semantic
+    return Pipeline(cfg, store.store(), progress=False, eval_config=eval_config)
 
 
 def find_checkpoint(instance: dg.DagsterInstance, key: str, store: ArtifactStoreResource,

@@ -23,11 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lm_pipeline.schema import ConfigError
+from lm_pipeline.steps.stages import STAGES
 from lm_pipeline.store import StorageError
 
+#: The subcommands that build a stage (and the stages before it), from the stage table.
+BUILD_COMMANDS = {s.command[0]: s.name for s in STAGES if s.command}
 COMMANDS = {
-    "train": "train a model (builds the tokenizer and token cache first if needed)",
-    "cache": "build the raw shards, tokenizer and token cache only",
+    **{s.command[0]: s.command[1] for s in STAGES if s.command},
     "plan": "show, per stage, whether it is cached and which fields or inputs changed",
     "eval": "evaluate a checkpoint on the config's validation sets (loss, perplexity, bits-per-byte)",
     "export": "export a checkpoint as a Hugging Face transformers directory",
@@ -146,19 +148,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             from lm_pipeline.launch import tcmalloc_status
 
             logging.getLogger("lm_pipeline.cli").info("allocator: %s", tcmalloc_status())
-        if cmd in ("train", "cache", "plan"):
+        if cmd in BUILD_COMMANDS or cmd == "plan":
             from lm_pipeline.steps import Pipeline
 
             pipe = Pipeline(cfg)
             pipe.preflight()
-            if cmd == "train":
-                res = pipe.train_ckpt()
-                print(json.dumps({"run_dir": pipe.run_dir(), "hit": res.hit, **res.summary}, indent=2, default=str))
-            elif cmd == "cache":
-                res = pipe.token_cache()
-                print(json.dumps({"cache_dir": res.path, "hit": res.hit, **res.summary}, indent=2, default=str))
-            else:
+            if cmd == "plan":
                 print(pipe.plan_text())
+                return 0
+            res = pipe.build(BUILD_COMMANDS[cmd])
+            where = {"path": res.path, **({"run_dir": res.manifest["run_dir"]} if "run_dir" in res.manifest else {})}
+            print(json.dumps({**where, "hit": res.hit, **res.summary}, indent=2, default=str))
             return 0
         if cmd == "estimate":
             return _estimate(cfg, args)

@@ -10,6 +10,7 @@ and applied before validation, so a bad value fails before any compute starts.
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,6 +121,22 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
     return out
 
 
+def parse_override_text(text: str | None, *, source: str = "overrides") -> list[tuple[str, Any]]:
+    """Overrides written as one string, ``"a.b=1 c.d='x y'"`` (split as a shell would; each item
+    ``section.field=value``, a leading ``--`` allowed) -> ``[('a.b', 1), ('c.d', 'x y')]``.
+
+    The same parser as the command line's (:func:`parse_overrides`); ``source`` names where the
+    text came from in errors (e.g. an environment variable).
+    """
+    args = []
+    for item in shlex.split(text or ""):
+        item = item[2:] if item.startswith("--") else item
+        if "=" not in item or item.startswith("="):
+            raise ConfigError("", f"{source}: expected section.field=value, got {item!r}")
+        args.append(f"--{item}")
+    return parse_overrides(args)
+
+
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     for key, value in overrides:
         parts = key.split(".")
@@ -135,18 +152,25 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -
     return raw
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] | dict[str, Any] = ()) -> RunConfig:
+def load_config(path: str | os.PathLike | None = None,
+                overrides: Sequence[str] | Sequence[tuple[str, Any]] | dict[str, Any] = ()) -> RunConfig:
     """Load a run config from YAML (or the defaults when ``path`` is None) plus overrides.
 
-    ``overrides`` is either command-line style (``["--model.num_heads", "20"]``) or a mapping
-    of dotted keys to values (``{"model.num_heads": 20}``).
+    ``overrides`` is command-line style (``["--model.num_heads", "20"]``), a mapping of dotted
+    keys to values (``{"model.num_heads": 20}``), or parsed pairs (:func:`parse_overrides`,
+    :func:`parse_override_text`).
     """
     raw = _load_yaml(path) if path is not None else {}
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError("", f"{path}: the top level must be a mapping of sections (data, model, trainer, ...)")
-    pairs = list(overrides.items()) if isinstance(overrides, dict) else parse_overrides(overrides)
+    if isinstance(overrides, dict):
+        pairs = list(overrides.items())
+    elif all(isinstance(o, tuple) for o in overrides):
+        pairs = list(overrides)
+    else:
+        pairs = parse_overrides(overrides)
     raw = apply_overrides(raw, pairs)
     return from_dict(RunConfig, raw)
 

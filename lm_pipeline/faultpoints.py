@@ -16,6 +16,10 @@ Each comma-separated item is ``name[:N][:action]``: ``N`` is the 1-based pass to
   killed, so a test can act (and kill the process) at a known moment.
 - ``sleep=S``: sleep ``S`` seconds and go on (to widen race windows).
 
+``LM_PIPELINE_FAULTPOINT_ONCE=<file>`` makes the crash happen once across processes (a retried
+process must get past the point): the first firing creates the file, and while it exists no
+point fires.
+
 Point names are ``<stage>.<moment>``; ``grep -rn "faultpoint(" lm_pipeline`` lists them. Every
 point is also recorded, when passed, in ``$LM_PIPELINE_FAULTPOINT_TRACE`` (if set; one name a
 line), so a test can prove a point is really reached.
@@ -27,11 +31,13 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 ENV = "LM_PIPELINE_FAULTPOINT"
 ENV_ACTION = "LM_PIPELINE_FAULTPOINT_ACTION"
 ENV_FILE = "LM_PIPELINE_FAULTPOINT_FILE"
 ENV_TRACE = "LM_PIPELINE_FAULTPOINT_TRACE"
+ENV_ONCE = "LM_PIPELINE_FAULTPOINT_ONCE"
 
 _counts: dict[str, int] = {}
 _lock = threading.Lock()
@@ -55,8 +61,29 @@ def _armed(name: str) -> list[tuple[int | None, str]]:
     return out
 
 
-def faultpoint(name: str) -> None:
-    """Pass the fault point ``name``; crash (or pause) here if a test armed it for this pass."""
+def armed(name: str) -> bool:
+    """Whether a test armed the fault point ``name`` (for any pass) in this process's environment."""
+    return ENV in os.environ and bool(_armed(name))
+
+
+def _claim_once() -> bool:
+    """False when ``$LM_PIPELINE_FAULTPOINT_ONCE`` says a point already fired (in any process)."""
+    marker = os.environ.get(ENV_ONCE)
+    if not marker:
+        return True
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def faultpoint(name: str, prepare: Callable[[], None] | None = None) -> None:
+    """Pass the fault point ``name``; crash (or pause) here if a test armed it for this pass.
+
+    ``prepare`` runs just before an armed point fires (never otherwise): e.g. to wait for a
+    background write that the crash must come after.
+    """
     trace = os.environ.get(ENV_TRACE)
     if trace:
         with open(trace, "a") as f:
@@ -71,11 +98,17 @@ def faultpoint(name: str) -> None:
     for nth, action in items:
         if nth is not None and nth != n:
             continue
-        if action == "raise":
-            raise FaultInjected(f"fault point {name!r} (pass {n})")
         if action.startswith("sleep="):
             time.sleep(float(action.split("=", 1)[1]))
             continue
+        if action not in ("raise", "pause", "kill"):
+            raise ValueError(f"{ENV_ACTION}/{ENV}: unknown action {action!r} (kill, raise, pause, sleep=S)")
+        if not _claim_once():
+            return
+        if prepare is not None:
+            prepare()
+        if action == "raise":
+            raise FaultInjected(f"fault point {name!r} (pass {n})")
         if action == "pause":
             marker = os.environ.get(ENV_FILE)
             if marker:
@@ -83,8 +116,6 @@ def faultpoint(name: str) -> None:
                     f.write(f"{name} {n}\n")
             while True:  # until killed from outside
                 time.sleep(3600)
-        if action != "kill":
-            raise ValueError(f"{ENV_ACTION}/{ENV}: unknown action {action!r} (kill, raise, pause, sleep=S)")
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -94,4 +125,4 @@ def reset() -> None:
         _counts.clear()
 
 
-__all__ = ["ENV", "ENV_ACTION", "ENV_FILE", "ENV_TRACE", "FaultInjected", "faultpoint", "reset"]
+__all__ = ["ENV", "ENV_ACTION", "ENV_FILE", "ENV_ONCE", "ENV_TRACE", "FaultInjected", "armed", "faultpoint", "reset"]

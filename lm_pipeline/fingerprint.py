@@ -1,9 +1,11 @@
 """Canonical hashing: an artifact's address is the hash of what made it.
 
-``fingerprint(stage, config, code_version, inputs)`` = short sha256 of the canonical JSON of
-(stage name, the config's *semantic* fields, the stage's code version, the inputs'
-fingerprints). Non-semantic fields (log cadence, worker counts, trackers, paths of the store)
-never enter it: see the ``semantic`` flag on every config field.
+One scheme: ``fingerprint(stage, config, code_version, inputs)`` = short sha256 of the canonical
+JSON of (stage name, the config's *semantic* fields, the stage's code version, the inputs).
+Non-semantic fields (log cadence, worker counts, trackers, paths of the store) never enter it:
+see the ``semantic`` flag on every config field. The same function gives a stage's address (its
+inputs are its upstream stages' fingerprints, down to the shards' content hashes), its config
+version (the upstream stages' config versions, no data read), and a training run's id.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,7 +40,17 @@ def canonical_json(obj: Any) -> str:
 
 
 def hash_json(obj: Any, length: int = FINGERPRINT_LENGTH) -> str:
+    """The first ``length`` hex digits of the sha256 of ``obj``'s canonical JSON."""
     return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()[:length]
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The full hex sha256 of a local file's bytes (read in 1 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def semantic_view(cfg: Any) -> Any:
@@ -45,8 +58,8 @@ def semantic_view(cfg: Any) -> Any:
     return to_dict(cfg, semantic_only=True)
 
 
-def fingerprint(stage: str, config: Any, code_version: int, inputs: Mapping[str, str] | None = None) -> str:
-    """Short hex fingerprint of a stage's output."""
+def fingerprint(stage: str, config: Any, code_version: int, inputs: Mapping[str, Any] | None = None) -> str:
+    """Short hex fingerprint of a stage's output (``FINGERPRINT_LENGTH`` hex digits)."""
     return hash_json(
         {
             "stage": stage,

@@ -19,8 +19,10 @@ The training resumes from the run's latest checkpoint, so a retried (or preempte
 rather than starting over. Being a separate process, it can get tcmalloc via ``LD_PRELOAD`` and
 its own ``JAX_PLATFORMS``.
 
-Fault injection (tests): ``LM_PIPELINE_TRAIN_FAULT=<marker file>[@<step>]`` makes the run die at
-that step, once a checkpoint is complete -- once: the marker file records that it happened.
+Fault injection (tests) goes through :mod:`lm_pipeline.faultpoints`: the fault point
+``train_ckpt.after_step`` is passed after every training step, and waits for a complete checkpoint
+before it fires, so that a retry has one to resume from; e.g.
+``LM_PIPELINE_FAULTPOINT=train_ckpt.after_step:5`` with ``LM_PIPELINE_FAULTPOINT_ONCE=<file>``.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lm_pipeline.faultpoints import armed, faultpoint
 from lm_pipeline.steps import complete_checkpoints
 
 log = logging.getLogger(__name__)
 
-FAULT_ENV = "LM_PIPELINE_TRAIN_FAULT"
+#: The fault point passed after each training step (see the module docstring).
+FAULT_POINT = "train_ckpt.after_step"
 
 
 class CheckpointWatcher:
@@ -79,31 +83,20 @@ class CheckpointWatcher:
         return self.poll()
 
 
-def fault_hooks(run_dir: str, *, hard: bool) -> list:
-    """Hooks for ``LM_PIPELINE_TRAIN_FAULT=<marker file>[@<step>]`` (none when it is unset): at the
-    first step >= ``step`` (default 1) the run waits for a complete checkpoint, then dies -- once
-    (the marker file records it). ``hard`` kills the process, else the training loop raises."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
+def fault_hooks(run_dir: str) -> list:
+    """A hook passing the fault point :data:`FAULT_POINT` after every step, when a test armed it
+    (else none); before it fires it waits (up to 120 s) for a complete checkpoint of the run."""
+    if not armed(FAULT_POINT):
         return []
     from lm_pipeline.train.trainer import Hook
 
-    marker, _, at = spec.partition("@")
-    at_step = int(at) if at else 1
-
-    def fn(info):
-        if info.step < at_step or os.path.exists(marker):
-            return None
+    def wait_for_checkpoint() -> None:
         deadline = time.monotonic() + 120
         while not complete_checkpoints(run_dir) and time.monotonic() < deadline:
             time.sleep(0.1)  # the checkpoint is written in the background
-        with open(marker, "w") as f:
-            f.write(f"crashed at step {info.step}\n")
-        msg = f"injected fault: training killed at step {info.step} ({FAULT_ENV})"
-        log.error(msg)
-        if hard:
-            os._exit(17)
-        raise RuntimeError(msg)
+
+    def fn(info):
+        faultpoint(FAULT_POINT, prepare=wait_for_checkpoint)
 
     return [Hook(fn, every=1)]
 
@@ -166,7 +159,7 @@ def main() -> int:
                 pipes.log.info(f"step {info.step}: {shown}")
 
         watcher = CheckpointWatcher(run_dir, on_checkpoint).start(float(extras.get("poll_seconds", 1.0)))
-        hooks = [Hook(on_metrics, every=cfg.trainer.log_every), *fault_hooks(run_dir, hard=True)]
+        hooks = [Hook(on_metrics, every=cfg.trainer.log_every), *fault_hooks(run_dir)]
         try:
             res = pipe.train_ckpt(hooks=hooks)
         finally:

@@ -209,7 +209,8 @@ def test_failed_training_is_retried_and_resumes_from_its_latest_checkpoint(tmp_p
     """The Pipes training process dies after its first checkpoint; the RetryPolicy re-runs the
     step, which resumes from that checkpoint instead of starting over."""
     marker = tmp_path / "fault-happened"
-    monkeypatch.setenv("LM_PIPELINE_TRAIN_FAULT", f"{marker}@5")  # dies at step 5, after step-3 is saved
+    monkeypatch.setenv("LM_PIPELINE_FAULTPOINT", "train_ckpt.after_step:5:kill")  # dies at step 5, after step-3 is saved
+    monkeypatch.setenv("LM_PIPELINE_FAULTPOINT_ONCE", str(marker))  # the retry gets past it
     h = Harness(tmp_path, dg.DagsterInstance.ephemeral(), mode="pipes")
     result = h.materialize(selection=["raw_shards", "tokenizer", "token_cache", "train_ckpt"])
     assert result.success and marker.exists()

@@ -6,14 +6,14 @@ uses it and of every stage downstream, and of no stage upstream; any other field
 fingerprint. Otherwise a stale artifact is served as a cache hit (or a valid one is orphaned).
 
 The expected behaviour comes from :data:`STAGE_OF` and :data:`CONSUMERS` below, written out
-independently of the schema's ``semantic`` flags and of ``Pipeline._stage_config``: the fields
+independently of the schema's ``semantic`` flags and of the stage table (``lm_pipeline.steps.stages``): the fields
 themselves are enumerated from the schema (nested sections and every ``Choice`` member), so a new
 field fails until it is classified here. Both hashes are checked: ``Pipeline.config_version``
 (config and code versions only) and ``Pipeline.address`` (down to the shards' bytes, on a tiny
 corpus written by the tests).
 
 Regenerate the golden file after a deliberate change (and bump the stage's code version in
-``lm_pipeline.steps.CODE_VERSIONS`` when what the stage produces changed)::
+``lm_pipeline.steps.stages.STAGES`` when what the stage produces changed)::
 
     .venv/bin/python tests/test_fingerprint_coverage.py --regenerate
 """
@@ -33,11 +33,10 @@ from typing import Any, Literal, Union
 
 import pytest
 
-from lm_pipeline import steps
 from lm_pipeline.config import RunConfig, apply_overrides, load_config
 from lm_pipeline.fingerprint import canonical_json
 from lm_pipeline.schema import Choice, ConfigError, from_dict, to_dict
-from lm_pipeline.steps import STAGES, Pipeline
+from lm_pipeline.steps import STAGE_NAMES, STAGES, Pipeline
 from lm_pipeline.store import ArtifactStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -368,17 +367,17 @@ def fingerprints(raw: dict[str, Any]) -> dict[str, dict[str, str] | None]:
         pipe = Pipeline(from_dict(RunConfig, raw), progress=False)
         _FINGERPRINTS[key] = {
             "config_version": pipe.config_versions(),
-            "address": {s: pipe.address(s).fingerprint for s in STAGES} if reads_only_local_files(raw) else None,
+            "address": {s: pipe.address(s).fingerprint for s in STAGE_NAMES} if reads_only_local_files(raw) else None,
         }
     return _FINGERPRINTS[key]
 
 
 def _differ(a: dict[str, str], b: dict[str, str]) -> set[str]:
-    return {s for s in STAGES if a[s] != b[s]}
+    return {s for s in STAGE_NAMES if a[s] != b[s]}
 
 
 def _order(stages: set[str]) -> list[str]:
-    return [s for s in STAGES if s in stages]
+    return [s for s in STAGE_NAMES if s in stages]
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,10 +392,10 @@ def test_every_config_field_is_classified():
         f"new config fields {unclassified}: classify each in STAGE_OF in {Path(__file__).name}: the first "
         "stage whose artifact's bytes it can change (raw_shards, tokenizer, token_cache, train_ckpt, "
         "eval_report, hf_export), or None if it changes no artifact; then give it the matching "
-        "`semantic=` flag and put it in that stage's config in Pipeline._stage_config")
+        "`semantic=` flag and put it in that stage's config in lm_pipeline.steps.stages")
     assert not set(STAGE_OF) - names, f"STAGE_OF names fields the schema no longer has: {sorted(set(STAGE_OF) - names)}"
-    assert set(CONSUMERS) == set(STAGES), f"the stages changed ({STAGES}): update CONSUMERS"
-    assert set(STAGE_OF.values()) <= set(STAGES) | {None}
+    assert set(CONSUMERS) == set(STAGE_NAMES), f"the stages changed ({STAGE_NAMES}): update CONSUMERS"
+    assert set(STAGE_OF.values()) <= set(STAGE_NAMES) | {None}
 
 
 @pytest.mark.allow_skip_in_ci(reason="a config Choice family with one member has no other type to change to")
@@ -419,7 +418,7 @@ def test_field_changes_its_stage_and_everything_downstream_only(leaf, workdir):
     assert not problems, (
         f"changing {leaf.name} must change the fingerprints of {what}, but " + "; ".join(problems) + ". "
         "A missing stage serves a stale artifact as a cache hit: check the field's `semantic=` flag, the "
-        "stage's config and inputs in Pipeline._stage_config / address / config_version, and STAGE_OF here.")
+        "stage's config and inputs in lm_pipeline.steps.stages, and STAGE_OF here.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -427,20 +426,20 @@ def test_field_changes_its_stage_and_everything_downstream_only(leaf, workdir):
 # --------------------------------------------------------------------------------------------
 
 
-def _all(raw: dict[str, Any]) -> dict[str, dict[str, str]]:
-    pipe = Pipeline(from_dict(RunConfig, raw), progress=False)  # fresh: no memo, no shared cache
-    return {"config_version": pipe.config_versions(), "address": {s: pipe.address(s).fingerprint for s in STAGES}}
+def _all(raw: dict[str, Any], stages=STAGES) -> dict[str, dict[str, str]]:
+    pipe = Pipeline(from_dict(RunConfig, raw), progress=False, stages=stages)  # fresh: no memo, no shared cache
+    return {"config_version": pipe.config_versions(), "address": {s: pipe.address(s).fingerprint for s in STAGE_NAMES}}
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_code_version_changes_its_stage_and_everything_downstream(stage, workdir, monkeypatch):
+@pytest.mark.parametrize("stage", STAGE_NAMES)
+def test_code_version_changes_its_stage_and_everything_downstream(stage, workdir):
     raw = _resolved(BASE)
     before = _all(raw)
-    monkeypatch.setitem(steps.CODE_VERSIONS, stage, steps.CODE_VERSIONS[stage] + 1)
-    after = _all(raw)
+    bumped = tuple(dataclasses.replace(s, code_version=s.code_version + 1) if s.name == stage else s for s in STAGES)
+    after = _all(raw, bumped)
     for kind in ("config_version", "address"):
         assert _differ(before[kind], after[kind]) == downstream(stage), (
-            f"bumping CODE_VERSIONS[{stage!r}] must change the {kind} of {_order(downstream(stage))}")
+            f"bumping the code version of {stage!r} must change the {kind} of {_order(downstream(stage))}")
 
 
 @pytest.mark.parametrize("shard", ["train-1.jsonl", "validation.jsonl"])
@@ -451,7 +450,7 @@ def test_shard_bytes_change_every_address_but_no_config_version(shard, tmp_path,
     with open(shard, "a", encoding="utf-8") as f:
         f.write(json.dumps({"text": "print('one more record')\n"}) + "\n")
     after = _all(raw)
-    assert _differ(before["address"], after["address"]) == set(STAGES), "every stage reads the shards' bytes"
+    assert _differ(before["address"], after["address"]) == set(STAGE_NAMES), "every stage reads the shards' bytes"
     assert _differ(before["config_version"], after["config_version"]) == set()
 
 
@@ -483,7 +482,7 @@ def golden_fingerprints() -> dict[str, dict[str, str]]:
     store = ArtifactStore("store")  # relative: never the experiment's own store
     versions = Pipeline(load_config(DEFAULT_EXPERIMENT), store, progress=False).config_versions()
     pipe = Pipeline(load_config(DEFAULT_EXPERIMENT, GOLDEN_DATA), store, progress=False)
-    return {"config_version": versions, "address": {s: pipe.address(s).fingerprint for s in STAGES}}
+    return {"config_version": versions, "address": {s: pipe.address(s).fingerprint for s in STAGE_NAMES}}
 
 
 def test_default_experiment_fingerprints_are_golden(workdir):
@@ -496,7 +495,7 @@ def test_default_experiment_fingerprints_are_golden(workdir):
         "the default experiment's fingerprints changed:\n  " + "\n  ".join(diffs) + "\n"
         "Every artifact already built for these stages stops being found, and if the change dropped "
         "something from the hash, stale artifacts would be served. If this change is deliberate, bump "
-        "the stage's code version in lm_pipeline.steps.CODE_VERSIONS (when what the stage produces "
+        "the stage's code version in lm_pipeline.steps.stages.STAGES (when what the stage produces "
         f"changed) and regenerate with `{REGENERATE}`.")
 
 

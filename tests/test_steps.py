@@ -20,7 +20,7 @@ import pipeline_testing as pt  # noqa: E402
 
 from lm_pipeline.config import RunConfig, load_config  # noqa: E402
 from lm_pipeline.schema import Choice  # noqa: E402
-from lm_pipeline.steps import STAGES, Pipeline, complete_checkpoints  # noqa: E402
+from lm_pipeline.steps import STAGE_NAMES, Pipeline, complete_checkpoints  # noqa: E402
 from lm_pipeline.store import ArtifactStore  # noqa: E402
 
 # --------------------------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def _pipe(path: Path, overrides: dict | None = None, **kw) -> Pipeline:
 
 
 def _addresses(p: Pipeline) -> dict[str, str]:
-    return {s: p.address(s).fingerprint for s in STAGES}
+    return {s: p.address(s).fingerprint for s in STAGE_NAMES}
 
 
 def _changed(a: dict[str, str], b: dict[str, str]) -> set[str]:
@@ -178,7 +178,7 @@ def test_non_semantic_edit_changes_no_address(tiny, edit):
     assert edited.config_versions() == base.config_versions()
 
 
-ALL = set(STAGES)
+ALL = set(STAGE_NAMES)
 DOWNSTREAM_OF_TOKENIZER = ALL - {"raw_shards"}
 DOWNSTREAM_OF_TRAINING = {"train_ckpt", "eval_report", "hf_export"}
 
@@ -268,7 +268,7 @@ def test_plan_reports_hits_misses_and_field_diffs(tiny, tmp_path):
     p = _pipe(path)
     p.tokenizer()  # raw_shards + tokenizer complete
     rows = {r["stage"]: r for r in p.plan()}
-    assert [rows[s]["hit"] for s in STAGES] == [True, True, False, False, False, False]
+    assert [rows[s]["hit"] for s in STAGE_NAMES] == [True, True, False, False, False, False]
     assert rows["token_cache"]["changes"] == ["no earlier artifact of this stage"]
 
     edited = _pipe(path, {"data.tokenizer.vocab_size": 320})

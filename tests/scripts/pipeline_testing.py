@@ -88,7 +88,7 @@ def subprocess_env(tmp: Path, experiment: Path, *, overrides: str = "", mode: st
     if dagster_home is not None:
         dagster_home.mkdir(parents=True, exist_ok=True)
         env["DAGSTER_HOME"] = str(dagster_home)
-    for name in [k for k in env if k.startswith(("LM_PIPELINE_FAULTPOINT", "LM_PIPELINE_TRAIN_FAULT"))]:
+    for name in [k for k in env if k.startswith("LM_PIPELINE_FAULTPOINT")]:
         env.pop(name)
     return env
 

@@ -1,0 +1,197 @@
+"""What each stage does: one build function per stage of the table (:mod:`lm_pipeline.steps.stages`).
+
+Each takes the :class:`~lm_pipeline.steps.Pipeline` (and the stage's options), builds its upstream
+stages first, and hands :meth:`Pipeline.run` a writer ``write(path) -> (summary, manifest extras)``
+that fills the artifact's directory. ``run`` returns at once on a cache hit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lm_pipeline.steps.result import StageResult
+
+if TYPE_CHECKING:
+    from lm_pipeline.steps.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+
+def raw_shards(pipe: Pipeline) -> StageResult:
+    """Validate every shard under the configured policy; record per-shard counts."""
+
+    def write(path: str):
+        from lm_pipeline.data.sources import scan_shards
+
+        splits: dict[str, list[dict[str, Any]]] = {}
+        totals = {"records": 0, "valid": 0, "skipped": 0}
+        for split, shards in pipe.shards().items():
+            reports = scan_shards(shards)
+            rows = []
+            for s in shards:
+                r = reports[s.name].to_dict()
+                rows.append({"name": s.name, "url": s.url, "fingerprint": s.fingerprint, **r})
+                totals["records"] += r.get("records", 0)
+                totals["valid"] += r.get("valid", 0)
+                totals["skipped"] += sum((r.get("skipped") or {}).values())
+            splits[split] = rows
+        summary = {"num_shards": sum(len(v) for v in splits.values()), **totals, "splits": sorted(splits)}
+        return summary, {"shards": splits}
+
+    return pipe.run("raw_shards", write)
+
+
+def tokenizer(pipe: Pipeline) -> StageResult:
+    """Train the BPE on the training shards, or fetch the configured HF tokenizer."""
+    pipe.raw_shards()
+
+    def write(path: str):
+        from lm_pipeline.data.sources import iter_shard_texts
+        from lm_pipeline.data.tokenizer import build_tokenizer
+
+        tok = pipe.cfg.data.tokenizer
+        if tok.kind == "bpe":
+            info = build_tokenizer(tok, path, iter_shard_texts(pipe.shards()["train"]), progress=pipe.progress)
+        else:
+            info = build_tokenizer(tok, path)
+        return {"vocab_size": info.vocab_size, "eos_id": info.eos_id, "bos_id": info.bos_id}, {}
+
+    return pipe.run("tokenizer", write)
+
+
+def cache_summary(splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The token cache manifest's summary from per-split counts."""
+    return {"splits": splits, "train_tokens": splits["train"].get("num_tokens")}
+
+
+def ledger_counts(ledger: dict[str, Any]) -> dict[str, Any]:
+    """Docs, tokens, bytes and shards committed to a token cache ledger."""
+    c = ledger.get("committed", {})
+    return {"num_docs": c.get("docs"), "num_tokens": c.get("tokens"), "num_bytes": c.get("bytes"),
+            "num_shards": c.get("shards")}
+
+
+def token_cache(pipe: Pipeline) -> StageResult:
+    """Tokenize every split into its own token cache under this artifact (in this process; the
+    fan-out over shard groups is :mod:`lm_pipeline.steps.fanout`)."""
+    tok = pipe.tokenizer()
+
+    def write(path: str):
+        from lm_pipeline.data.cache import build_cache
+
+        data = pipe.cfg.data
+        splits = {}
+        for split, shards in pipe.shards().items():
+            ledger = build_cache(f"{path}/{split}", shards, tok.path, num_workers=data.num_workers,
+                                 shard_group_size=data.shard_group_size, progress=pipe.progress)
+            splits[split] = ledger_counts(ledger)
+        return cache_summary(splits), {"tokenizer_path": tok.path, "built_by": "single"}
+
+    return pipe.run("token_cache", write)
+
+
+def _tokenizer_files(tok_dir: str) -> dict[str, Path]:
+    """The tokenizer's own files, for a checkpoint's ``tokenizer/``: never the store's manifest
+    (a copied manifest.json would make a partial downstream artifact look complete)."""
+    from lm_pipeline.store import MANIFEST
+
+    return {f"tokenizer/{p.name}": p for p in sorted(Path(tok_dir).iterdir())
+            if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
+
+
+def train_ckpt(pipe: Pipeline, hooks: Sequence = ()) -> StageResult:
+    """Train (resuming from the run's latest checkpoint); the manifest marks the run finished."""
+    cache = pipe.token_cache()
+
+    def write(path: str):
+        from lm_pipeline.hf import export_hook
+        from lm_pipeline.train.checkpoint import latest_checkpoint
+        from lm_pipeline.train.run import train
+        from lm_pipeline.train.trainer import StepInfo
+
+        train_ds, evals, tok_dir, vocab = pipe.datasets(cache)
+        run_dir = pipe.run_dir()
+        # Levanter's hf_save_steps: export every N steps, and once more at the end.
+        hf_hook = export_hook(pipe.export_config, run_dir=run_dir, tokenizer_dir=tok_dir)
+        res = train(pipe.cfg, train_data=train_ds, vocab_size=vocab, eval_data=evals,
+                    eval_bytes_per_token={n: d.bytes_per_token for n, d in evals.items()},
+                    run_id=pipe.run_id(), run_dir=run_dir,
+                    extra_checkpoint_files=_tokenizer_files(tok_dir),
+                    hooks=[*hooks, *([hf_hook] if hf_hook else [])])
+        if hf_hook and res.final_step % hf_hook.every:
+            hf_hook.fn(StepInfo(res.final_step, res.state, res.metrics))
+        final = latest_checkpoint(run_dir) or (res.checkpoints[-1] if res.checkpoints else None)
+        summary = {"final_step": res.final_step, "final_checkpoint": final, "resumed_from": res.resumed_from,
+                   **{k: v for k, v in res.metrics.items() if isinstance(v, (int, float))}}
+        return summary, {"run_dir": run_dir, "run_id": pipe.run_id(), "final_checkpoint": final,
+                         "checkpoints": res.checkpoints, "eval_history": res.eval_history,
+                         "train_seconds": res.train_seconds, "resumed_from": res.resumed_from}
+
+    return pipe.run("train_ckpt", write)
+
+
+def eval_report(pipe: Pipeline, checkpoint: str | None = None) -> StageResult:
+    """Evaluate a checkpoint (default: the run's final one) on every validation set, with the
+    unigram baseline; the report is written as Parquet + JSON under the artifact."""
+    ckpt, step = pipe.checkpoint(checkpoint)
+    cache = pipe.token_cache()
+
+    def write(path: str):
+        from lm_pipeline.eval import evaluate_checkpoint, write_report
+
+        _, evals, _, _ = pipe.datasets(cache)
+        ev = pipe.eval_config
+        t0 = time.perf_counter()
+        df = evaluate_checkpoint(ckpt, evals, batch_size=ev.batch_size, max_eval_batches=ev.max_eval_batches,
+                                 compute_dtype=ev.compute_dtype,
+                                 train_cache=f"{cache.path}/train" if ev.unigram_baseline else None)
+        files = write_report(df, path)
+        rows = json.loads(df.to_json(orient="records", double_precision=15))
+        micro = next((r for r in rows if r.get("kind") == "micro"), {})
+        summary = {"step": step, "checkpoint": ckpt, "eval_seconds": round(time.perf_counter() - t0, 3),
+                   **{k: micro.get(k) for k in ("loss", "perplexity", "bpb", "unigram_loss", "unigram_bpb", "tokens")}}
+        return summary, {"checkpoint": ckpt, "step": step, "report": files, "rows": rows}
+
+    return pipe.run("eval_report", write, step=step)
+
+
+def hf_export(pipe: Pipeline, checkpoint: str | None = None, *, sample_prompt: str | None = "import ",
+              sample_tokens: int = 48) -> StageResult:
+    """Export a checkpoint (default: the run's final one) as a ``transformers`` model directory
+    (the artifact directory itself); a short sample of its text (temperature 0.8, top-k 40,
+    seed 0: reproducible) is recorded in the manifest."""
+    ckpt, step = pipe.checkpoint(checkpoint)
+
+    def write(path: str):
+        from lm_pipeline.hf import export_hf
+
+        ex = pipe.export_config
+        t0 = time.perf_counter()
+        export_hf(ckpt, path, dtype=ex.dtype, max_shard_size=ex.max_shard_size, overwrite=True,
+                  progress=None if pipe.progress else False)
+        files = sorted(p.name for p in Path(path).iterdir() if p.is_file())
+        size = sum((Path(path) / f).stat().st_size for f in files)
+        summary: dict[str, Any] = {"step": step, "checkpoint": ckpt, "files": files, "bytes": size,
+                                   "export_seconds": round(time.perf_counter() - t0, 3)}
+        if sample_prompt is not None:
+            summary.update(_sample(ckpt, sample_prompt, sample_tokens, pipe.cfg.model.seq_len))
+        return summary, {"checkpoint": ckpt, "step": step}
+
+    return pipe.run("hf_export", write, step=step)
+
+
+def _sample(ckpt: str, prompt: str, tokens: int, seq_len: int) -> dict[str, Any]:
+    from lm_pipeline.generate import generate_text
+
+    room = seq_len - len(prompt.encode("utf-8")) - 1  # tokens <= bytes (+BOS)
+    out: dict[str, Any] = {"sample_prompt": prompt}
+    try:
+        out["sample"] = generate_text(ckpt, prompt, max(1, min(tokens, room)), temperature=0.8, top_k=40, seed=0)
+    except Exception as e:  # a sample is a nicety; never fail the export for it
+        log.warning("hf_export: sample generation failed: %s", e)
+    return out

@@ -1,0 +1,311 @@
+"""``Pipeline(config, store)``: the stages of one experiment over one artifact store.
+
+It turns the stage table (:mod:`lm_pipeline.steps.stages`) into addresses and runs stages:
+
+* :meth:`Pipeline.address` -- the *fingerprint*: config + code version + the inputs'
+  fingerprints, down to the content hashes of the raw shards. It names the artifact. Computing it
+  reads the data's bytes (hashes), but does no stage's work.
+* :meth:`Pipeline.config_version` -- the same hash over config and code versions only (no data is
+  read). Dagster uses it as the asset's ``code_version``, known when the definitions load, so a
+  config edit marks exactly the stages whose fingerprint it changes as stale.
+
+Both are computed once per stage and kept on the pipeline (and shared with
+:meth:`Pipeline.with_config`, which swaps in a config that differs in non-semantic fields only).
+:meth:`Pipeline.run` builds an artifact unless it is complete: the cache hit, the builders' lock
+and the manifest written last live there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from lm_pipeline.config import RunConfig
+from lm_pipeline.fingerprint import fingerprint, semantic_view
+from lm_pipeline.schema import ConfigError
+from lm_pipeline.steps import fanout
+from lm_pipeline.steps.plan import plan as _plan
+from lm_pipeline.steps.plan import plan_text as _plan_text
+from lm_pipeline.steps.result import Address, StageResult
+from lm_pipeline.steps.stages import STAGES, Stage, stage_table
+from lm_pipeline.store import ArtifactStore, StorageError, storage_error
+
+log = logging.getLogger(__name__)
+
+#: A stage's writer: fills the artifact directory at ``path``, returns (summary, manifest extras).
+Writer = Callable[[str], tuple[dict[str, Any], dict[str, Any]]]
+
+
+class _Memo:
+    """What a pipeline computes once: resolved shards, addresses, config versions."""
+
+    def __init__(self) -> None:
+        self.shards: dict[str, list] | None = None
+        self.addresses: dict[tuple[str, Any], Address] = {}
+        self.versions: dict[str, str] = {}
+
+
+class Pipeline:
+    """The stages of one experiment over one artifact store.
+
+    ``stages``: the stage table (default :data:`lm_pipeline.steps.STAGES`); ``eval_config`` and
+    ``export_config`` replace the config's ``eval:`` and ``export:`` sections.
+    """
+
+    def __init__(self, cfg: RunConfig, store: ArtifactStore | None = None, *, progress: bool = True,
+                 eval_config: Any = None, export_config: Any = None, stages: Sequence[Stage] = STAGES):
+        self.cfg = cfg
+        self.store = store or ArtifactStore(cfg.store.root)
+        self.progress = progress
+        self._eval_config = eval_config
+        self._export_config = export_config
+        self.stages: dict[str, Stage] = stage_table(tuple(stages))
+        self._memo = _Memo()
+
+    def with_config(self, cfg: RunConfig) -> Pipeline:
+        """This pipeline with ``cfg``, which may differ in non-semantic fields only (runtime
+        settings): the addresses are the same, so what was computed is shared, not recomputed."""
+        if semantic_view(cfg) != semantic_view(self.cfg):
+            raise ValueError("with_config: the new config differs in semantic fields (its addresses would differ)")
+        other = Pipeline(cfg, self.store, progress=self.progress, eval_config=self._eval_config,
+                         export_config=self._export_config, stages=tuple(self.stages.values()))
+        other._memo = self._memo
+        return other
+
+    # ---------------------------------------------------------------- settings
+
+    @property
+    def eval_config(self) -> Any:
+        """The evaluation settings: given, else the config's ``eval:`` section."""
+        return self._eval_config if self._eval_config is not None else self.cfg.eval
+
+    @property
+    def export_config(self) -> Any:
+        """The Hugging Face export settings: given, else the config's ``export:`` section."""
+        return self._export_config if self._export_config is not None else self.cfg.export
+
+    def preflight(self) -> None:
+        """Checks that need the runtime (device count) but no compute: fail before any work."""
+        import jax
+
+        self.cfg.trainer.check_devices(jax.device_count())
+
+    @property
+    def builtin_root(self) -> str:
+        return f"{self.store.root}/builtin"
+
+    def shards(self) -> dict[str, list]:
+        """Shards per split: 'train' and each validation set (resolved once)."""
+        if self._memo.shards is None:
+            from lm_pipeline.data.sources import resolve_shards, validation_sets
+
+            data = self.cfg.data
+            if not data.train_sources():
+                raise ConfigError("data", "no training data: set data.train_urls, data.hf_id or data.builtin")
+            root = self.builtin_root if data.builtin else None
+            out = {"train": resolve_shards(data, "train", builtin_root=root)}
+            out.update(validation_sets(data, builtin_root=root))
+            self._memo.shards = out
+        return self._memo.shards
+
+    # ---------------------------------------------------------------- addressing
+
+    def stage(self, name: str) -> Stage:
+        """The declaration of stage ``name``."""
+        try:
+            return self.stages[name]
+        except KeyError:
+            raise ValueError(f"unknown stage {name!r}; stages: {', '.join(self.stages)}") from None
+
+    def stage_config(self, name: str) -> Any:
+        """The semantic config of stage ``name``, as plain data (what its hash covers besides inputs)."""
+        return self.stage(name).config(self)
+
+    def input_stages(self, name: str) -> tuple[str, ...]:
+        """The upstream stages whose fingerprints are inputs of stage ``name``'s fingerprint."""
+        return self.stage(name).hashed_upstream(self)
+
+    def final_step(self) -> int | str:
+        """The step of the run's final checkpoint: from the finished run, else from the config."""
+        manifest = self.store.manifest("train_ckpt", self.address("train_ckpt").fingerprint)
+        if manifest is not None and manifest.get("summary", {}).get("final_step") is not None:
+            return int(manifest["summary"]["final_step"])
+        try:
+            return self.cfg.trainer.resolve_num_steps(None, self.cfg.model.seq_len)
+        except ConfigError:  # num_epochs: needs the data's size
+            return "final"
+
+    def address(self, name: str, step: int | None = None) -> Address:
+        """A stage's fingerprint and what went into it (computed once, without the stage's work).
+
+        ``step`` (checkpoint stages: eval_report, hf_export): the checkpoint step they read;
+        default the final one.
+        """
+        st = self.stage(name)
+        step_key: Any = (self.final_step() if step is None else step) if st.per_checkpoint else None
+        found = self._memo.addresses.get((name, step_key))
+        if found is not None:
+            return found
+        conf = st.config(self)
+        inputs: dict[str, Any] = {up: self.address(up).fingerprint for up in st.hashed_upstream(self)}
+        if st.sources is not None:
+            inputs.update(st.sources(self, True))
+        if st.per_checkpoint:
+            inputs["step"] = step_key
+        addr = Address(name, fingerprint(name, conf, st.code_version, inputs), conf, inputs, st.code_version)
+        self._memo.addresses[(name, step_key)] = addr
+        return addr
+
+    def config_version(self, name: str) -> str:
+        """The stage's fingerprint over its semantic config, code version and its upstream stages'
+        config versions: what the address covers, minus the data's content. No data is read."""
+        if name not in self._memo.versions:
+            st = self.stage(name)
+            inputs: dict[str, Any] = {up: self.config_version(up) for up in st.hashed_upstream(self)}
+            if st.sources is not None:
+                inputs.update(st.sources(self, False))
+            self._memo.versions[name] = fingerprint(name, st.config(self), st.code_version, inputs)
+        return self._memo.versions[name]
+
+    def config_versions(self) -> dict[str, str]:
+        """:meth:`config_version` of every stage, in table order."""
+        return {name: self.config_version(name) for name in self.stages}
+
+    def own_version(self, name: str) -> str:
+        """The stage's fingerprint over its own semantic config and code version, no inputs: the
+        version of a stage applied to inputs chosen elsewhere (one checkpoint of any run)."""
+        st = self.stage(name)
+        return fingerprint(name, st.config(self), st.code_version, {})
+
+    # ---------------------------------------------------------------- running
+
+    def cached(self, name: str, step: int | None = None) -> StageResult | None:
+        """The stage's result if it is complete (a cache hit), else None. Does no work."""
+        t0 = time.perf_counter()
+        addr = self.address(name, step)
+        manifest = self.store.manifest(name, addr.fingerprint)
+        if manifest is None:
+            return None
+        path = self.store.artifact(name, addr.fingerprint).path
+        return StageResult(name, addr.fingerprint, path, True, manifest, time.perf_counter() - t0)
+
+    def run(self, name: str, write: Writer, step: int | None = None) -> StageResult:
+        """Build stage ``name`` with ``write`` unless it is complete; commit its manifest last.
+
+        Builders of one address take the store's lock; the second finds the manifest and returns.
+        """
+        addr = self.address(name, step)
+        art = self.store.artifact(name, addr.fingerprint)
+        t0 = time.perf_counter()
+        manifest = self.store.manifest(name, addr.fingerprint)
+        if manifest is not None:
+            log.info("%s %s: cache hit (%s)", name, addr.fingerprint, art.path)
+            return StageResult(name, addr.fingerprint, art.path, True, manifest, time.perf_counter() - t0)
+        try:
+            with self.store.lock(art):
+                manifest = self.store.manifest(name, addr.fingerprint)  # another writer may have finished
+                if manifest is not None:
+                    return StageResult(name, addr.fingerprint, art.path, True, manifest, time.perf_counter() - t0)
+                log.info("%s %s: building at %s", name, addr.fingerprint, art.path)
+                summary, extra = write(art.path)
+                manifest = self.store.commit(art, {"config": addr.config, "inputs": addr.inputs,
+                                                   "code_version": addr.code_version, "summary": summary,
+                                                   "seconds": round(time.perf_counter() - t0, 3), **extra})
+        except StorageError:
+            raise
+        except Exception as e:
+            clear = storage_error(e, f"{name} {addr.fingerprint}", art.path)
+            if clear is None:
+                raise
+            raise clear from e
+        return StageResult(name, addr.fingerprint, art.path, False, manifest, time.perf_counter() - t0)
+
+    def build(self, name: str, **options: Any) -> StageResult:
+        """Build stage ``name`` (its upstream first) with its build function's ``options``."""
+        return self.stage(name).build(self, **options)
+
+    # -- the stages by name (the build functions are in lm_pipeline.steps.builders) -------------------
+
+    def raw_shards(self) -> StageResult:
+        return self.build("raw_shards")
+
+    def tokenizer(self) -> StageResult:
+        return self.build("tokenizer")
+
+    def token_cache(self) -> StageResult:
+        return self.build("token_cache")
+
+    def train_ckpt(self, hooks: Sequence = ()) -> StageResult:
+        return self.build("train_ckpt", hooks=hooks)
+
+    def eval_report(self, checkpoint: str | None = None) -> StageResult:
+        return self.build("eval_report", checkpoint=checkpoint)
+
+    def hf_export(self, checkpoint: str | None = None, **options: Any) -> StageResult:
+        return self.build("hf_export", checkpoint=checkpoint, **options)
+
+    # -- the token cache fanned out (lm_pipeline.steps.fanout) ---------------------------------------
+
+    def token_cache_groups(self) -> list[fanout.CacheGroup]:
+        return fanout.groups(self)
+
+    def token_cache_part(self, group: fanout.CacheGroup) -> dict[str, Any]:
+        return fanout.build_part(self, group)
+
+    def token_cache_commit(self, built: Sequence[Mapping[str, Any]] = ()) -> StageResult:
+        return fanout.commit(self, built)
+
+    # ---------------------------------------------------------------- the run and its checkpoints
+
+    def datasets(self, cache: StageResult | None = None):
+        """(train dataset, {validation set: dataset}, tokenizer dir, vocab size) from the cache."""
+        from lm_pipeline.data.loader import open_dataset
+        from lm_pipeline.data.tokenizer import tokenizer_info
+
+        cache = cache or self.token_cache()
+        seq_len, packing = self.cfg.model.seq_len, self.cfg.data.packing
+        train = open_dataset(f"{cache.path}/train", seq_len, packing)
+        evals = {name: open_dataset(f"{cache.path}/{name}", seq_len, packing)
+                 for name in self.shards() if name != "train"}
+        tok_dir = cache.manifest["tokenizer_path"]
+        return train, evals, tok_dir, tokenizer_info(tok_dir).vocab_size
+
+    def run_id(self) -> str:
+        """The training run's id: ``trainer.id`` if set, else the train_ckpt fingerprint."""
+        from lm_pipeline.train.config import check_run_id
+
+        rid = self.cfg.trainer.id  # checked again: a config built without validation may carry any id
+        return check_run_id(rid) if rid is not None else self.address("train_ckpt").fingerprint
+
+    def run_dir(self) -> str:
+        """Where the training run lives: the store address, or ``checkpointer.base_path/<run id>``."""
+        base = self.cfg.trainer.checkpointer.base_path
+        if base:
+            return f"{base.rstrip('/')}/{self.run_id()}"
+        return self.store.artifact("train_ckpt", self.address("train_ckpt").fingerprint).path
+
+    def checkpoint(self, checkpoint: str | None = None) -> tuple[str, int]:
+        """(complete checkpoint dir, its step): the given one, else the finished run's final one
+        (training first if the run is not finished)."""
+        from lm_pipeline.train.checkpoint import latest_checkpoint, read_metadata
+
+        if checkpoint is None:
+            run = self.train_ckpt()
+            checkpoint = run.manifest.get("final_checkpoint") or latest_checkpoint(run.manifest.get("run_dir", run.path))
+            if checkpoint is None:
+                raise FileNotFoundError(f"training run {run.path} has no complete checkpoint")
+        found = latest_checkpoint(checkpoint)
+        if found is None:
+            raise FileNotFoundError(f"no complete checkpoint at or under {checkpoint}")
+        return found, int(read_metadata(found)["step"])
+
+    # ---------------------------------------------------------------- the plan (lm_pipeline.steps.plan)
+
+    def plan(self) -> list[dict[str, Any]]:
+        """Per stage: hit or miss, and for a miss what changed since the stage's last artifact."""
+        return _plan(self)
+
+    def plan_text(self) -> str:
+        return _plan_text(self)
