@@ -16,7 +16,6 @@ pipeline checks that the run's fingerprint is unchanged by them.
 
 from __future__ import annotations
 
-import glob
 import os
 import sys
 from typing import Any
@@ -34,25 +33,6 @@ __all__ = [
 
 #: Environment variable choosing the default training mode: ``pipes`` or ``in_process``.
 TRAIN_MODE_ENV = "LM_PIPELINE_TRAIN_MODE"
-
-_TCMALLOC_GLOBS = (
-    "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
-    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib/aarch64-linux-gnu/libtcmalloc.so.4",
-    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib64/libtcmalloc*.so.4",
-    "/usr/local/lib/libtcmalloc*.so*",
-)
-
-
-def find_tcmalloc() -> str | None:
-    """A tcmalloc shared library on this machine, or None."""
-    for pattern in _TCMALLOC_GLOBS:
-        for path in sorted(glob.glob(pattern)):
-            if os.path.isfile(path):
-                return path
-    return None
-
 
 class ArtifactStoreResource(dg.ConfigurableResource):
     """Root of the content-addressed artifact store: ``<root>/<stage>/<fingerprint>/``."""
@@ -115,7 +95,7 @@ class TrainingLauncherResource(dg.ConfigurableResource):
     python_executable: str = sys.executable
     module: str = "lm_pipeline.pipes_train"
     preload_tcmalloc: bool = True  # LD_PRELOAD a tcmalloc found on the machine (pipes mode only)
-    tcmalloc_path: str | None = None  # explicit library; None = search the usual places
+    tcmalloc_path: str | None = None  # explicit library; None = lm_pipeline.launch.find_tcmalloc
     extra_env: dict[str, str] = {}
     poll_seconds: float = 0.5  # how often checkpoints and metrics are forwarded to Dagster
 
@@ -135,6 +115,8 @@ class TrainingLauncherResource(dg.ConfigurableResource):
     def child_env(self) -> dict[str, str]:
         env = dict(self.extra_env)
         if self.preload_tcmalloc:
+            from lm_pipeline.launch import find_tcmalloc
+
             lib = self.tcmalloc_path or find_tcmalloc()
             if lib and os.path.isfile(lib):
                 preload = os.environ.get("LD_PRELOAD", "")

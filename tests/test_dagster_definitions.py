@@ -229,12 +229,12 @@ def test_python_m_assets_maps_to_dagster_commands(tmp_path, monkeypatch):
 
 
 def test_runtime_resources_change_only_non_semantic_fields(experiment, monkeypatch):
+    from lm_pipeline.launch import find_tcmalloc
     from resources import (
         JaxRuntimeResource,
         TrackingResource,
         TrainingLauncherResource,
         apply_runtime_overrides,
-        find_tcmalloc,
     )
 
     jax_rt = JaxRuntimeResource(platforms="cpu", model_axis_size=1, coordinator_address="10.0.0.1:1234",
