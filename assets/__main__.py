@@ -59,6 +59,7 @@ def dagster_args(argv: list[str]) -> list[str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``python -m assets ARGS``: print help or the home, else become the ``dagster`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = dagster_args(argv)
     if args is None:
@@ -69,14 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     home = ensure_home()
     print(f"DAGSTER_HOME={home}", file=sys.stderr)
-    from dagster._cli import main as dagster_main
-
-    sys.argv = ["dagster", *args]
-    try:
-        dagster_main()
-    except SystemExit as e:  # click exits
-        return int(e.code or 0) if not isinstance(e.code, str) else 1
-    return 0
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # exec discards what is still buffered
+    # Dagster's CLI has no public Python API: its public entry point is the `dagster` command,
+    # which `python -m dagster` is. This process becomes it (same pid: signals reach it directly).
+    os.execv(sys.executable, [sys.executable, "-m", "dagster", *args])
 
 
 if __name__ == "__main__":

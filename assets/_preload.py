@@ -7,6 +7,11 @@ context), since the forkserver forks every step process from this state.
 """
 
 import dagster  # noqa: F401
+
+# Private modules, deliberately: Dagster has no public module for its instance factory or its
+# SQLite storages (nothing in `dagster`'s public API imports them); an instance loads them at run
+# time by these dotted names (the defaults when dagster.yaml has no `storage:` section), so
+# preloading them means naming them. A rename in Dagster fails loudly here, at import.
 import dagster._core.instance.factory  # noqa: F401
 import dagster._core.storage.event_log.sqlite.sqlite_event_log  # noqa: F401
 import dagster._core.storage.runs.sqlite.sqlite_run_storage  # noqa: F401
