@@ -39,14 +39,14 @@ KILLS = [
     ("train_ckpt", "checkpoint.before_arrays", 1),  # step-2 dir + tokenizer copied, no arrays
     ("train_ckpt", "checkpoint.before_marker", 2),  # step-4 arrays written, no checkpoint.json
     ("train_ckpt", "checkpoint.marker_tmp_written", 3),  # inside the step-6 marker write
-    ("train_ckpt", "train.after_step", 5),  # between steps (lead's point in train/run.py)
+    ("train_ckpt", "train.after_step", 5),  # between steps (train/run.py)
     ("train_ckpt", "train_ckpt.before_manifest", 1),
     ("train_ckpt", "train_ckpt.manifest_tmp_written", 1),
-    # (eval.py's ``eval.after_batch`` is not here: evaluation keeps its rows in memory until the
+    # (eval/evaluate.py's ``eval.after_batch`` is not here: evaluation keeps its rows in memory until the
     # report is written, so a kill there lands before the stage's first output byte.)
     ("eval_report", "eval_report.before_manifest", 1),
     ("eval_report", "eval_report.manifest_tmp_written", 1),
-    ("hf_export", "export.after_weights", 1),  # hf.py's point: weights in the export's staging dir
+    ("hf_export", "export.after_weights", 1),  # hf/export.py: weights in the export's staging dir
     ("hf_export", "hf_export.before_manifest", 1),
     ("hf_export", "hf_export.manifest_tmp_written", 1),
 ]
