@@ -39,6 +39,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lm_pipeline.lazy import lazy_exports
+
 # Public name -> its submodule. Loaded on first access (PEP 562) so that `lm_pipeline.config`,
 # which imports `lm_pipeline.eval.config`, does not pull in JAX through this package.
 _EXPORTS = {
@@ -66,14 +68,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lm_pipeline.lazy import lazy_exports
 from lm_pipeline.models.config import Gpt2Config, LlamaConfig, LmConfig
 
 # Heavy public name -> its submodule, loaded on first access (PEP 562).
@@ -23,14 +24,4 @@ _LAZY = {
 __all__ = ["KVCache", "LmConfig", "LmModel", "Gpt2Config", "Gpt2Model", "LlamaConfig", "LlamaModel"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

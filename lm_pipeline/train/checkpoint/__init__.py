@@ -29,6 +29,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lm_pipeline.lazy import lazy_exports
+
 # Public name -> its submodule, loaded on first access (PEP 562).
 _EXPORTS = {
     "CheckpointerConfig": "policy",
@@ -50,14 +52,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
