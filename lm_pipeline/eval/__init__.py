@@ -36,9 +36,6 @@ before :func:`write_report` saves them as Parquet and JSON.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from lm_pipeline.lazy import lazy_exports
 
 # Public name -> its submodule. Loaded on first access (PEP 562) so that `lm_pipeline.config`,

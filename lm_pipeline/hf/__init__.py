@@ -16,9 +16,6 @@ Nothing here imports ``transformers`` or ``torch``.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from lm_pipeline.lazy import lazy_exports
 
 # Public name -> its submodule. Loaded on first access (PEP 562) so that `lm_pipeline.config`,

@@ -7,9 +7,6 @@ load on first use, so parsing a run config imports no JAX.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from lm_pipeline.lazy import lazy_exports
 from lm_pipeline.models.config import Gpt2Config, LlamaConfig, LmConfig
 

@@ -26,9 +26,6 @@ first use, so the run config (which needs only :class:`CheckpointerConfig`) stay
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from lm_pipeline.lazy import lazy_exports
 
 # Public name -> its submodule, loaded on first access (PEP 562).
