@@ -44,7 +44,7 @@ from lm_pipeline.train.trainer import (
 
 log = logging.getLogger(__name__)
 
-TRAIN_CODE_VERSION = 1
+TRAIN_CODE_VERSION = 1  # run ids of existing runs hash this value: keep it, whatever the stage table says
 
 
 def run_id_for(cfg: RunConfig, data_fingerprint: str | None = None) -> str:

@@ -39,8 +39,9 @@ sys.path.insert(0, str(REPO / "tests" / "scripts"))
 import pipeline_testing as pt  # noqa: E402
 
 from lm_pipeline import faultpoints  # noqa: E402
+from lm_pipeline.steps import STAGE_NAMES  # noqa: E402
 
-STAGES = ("raw_shards", "tokenizer", "token_cache", "train_ckpt", "eval_report", "hf_export")
+STAGES = STAGE_NAMES
 RECORD = HERE / "last_run.json"  # committed: written only by a complete run of the faults tier
 PARTIAL_RECORD = REPO / "test-artifacts" / "faults" / "partial_run.json"  # git-ignored
 RESULTS_ENV = "LM_PIPELINE_FAULTS_RESULTS"
