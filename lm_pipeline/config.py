@@ -51,7 +51,9 @@ class RunConfig:
 
 
 class _IncludeLoader(yaml.SafeLoader):
-    pass
+    """A safe loader that knows the chain of files including the one it reads (cycle check)."""
+
+    include_stack: tuple[Path, ...] = ()
 
 
 def _include(loader: _IncludeLoader, node: yaml.Node) -> Any:
@@ -59,7 +61,7 @@ def _include(loader: _IncludeLoader, node: yaml.Node) -> Any:
         raise ConfigError("", f"{loader.name}: !include takes a file path, e.g. `data: !include data.yaml`")
     rel = loader.construct_scalar(node)
     base = Path(loader.name).parent
-    return _load_yaml(base / rel, loader._stack)  # type: ignore[attr-defined]
+    return _load_yaml(base / rel, loader.include_stack)
 
 
 _IncludeLoader.add_constructor("!include", _include)
@@ -83,7 +85,7 @@ def _load_yaml(path: str | os.PathLike, stack: tuple[Path, ...] = ()) -> Any:
     except yaml.YAMLError as e:
         raise ConfigError("", f"{path}: invalid YAML: {e}") from None
     loader.name = str(path)
-    loader._stack = (*stack, resolved)  # type: ignore[attr-defined]
+    loader.include_stack = (*stack, resolved)
     try:
         return loader.get_single_data()
     except yaml.YAMLError as e:

@@ -172,21 +172,7 @@ def generate(
     squeeze = ids.ndim == 1
     if squeeze:
         ids = ids[None]
-    if ids.ndim != 2 or ids.shape[1] == 0:
-        raise ValueError(f"prompt_ids must be [P] or [B, P] with P >= 1, got shape {ids.shape}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    seq_len = getattr(getattr(model, "config", None), "seq_len", None)
-    if getattr(getattr(model, "config", None), "type", None) == "gpt2" and ids.shape[1] + max_new_tokens > seq_len:
-        raise ValueError(
-            f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the model's seq_len ({seq_len})"
-        )
+    _check_generate_args(model, ids, max_new_tokens, temperature, top_k, top_p)
     cache_dtype = None
     if dtype is not None:
         from lm_pipeline.eval import resolve_dtype
@@ -214,6 +200,26 @@ def generate(
     )
     out = np.asarray(out)
     return out[0] if squeeze else out
+
+
+def _check_generate_args(model: LmModel, ids: np.ndarray, max_new_tokens: int, temperature: float,
+                         top_k: int | None, top_p: float | None) -> None:
+    """Raise ValueError naming the first argument of :func:`generate` that is out of range."""
+    if ids.ndim != 2 or ids.shape[1] == 0:
+        raise ValueError(f"prompt_ids must be [P] or [B, P] with P >= 1, got shape {ids.shape}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    seq_len = getattr(getattr(model, "config", None), "seq_len", None)
+    if getattr(getattr(model, "config", None), "type", None) == "gpt2" and ids.shape[1] + max_new_tokens > seq_len:
+        raise ValueError(
+            f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the model's seq_len ({seq_len})"
+        )
 
 
 def generate_text(
