@@ -102,21 +102,8 @@ def _data_parallel_size(num_devices: int, model_axis_size: int) -> int:
 
 def _micro_batching(trainer_cfg: Any, data_size: int, micro_batch_per_device: int | None) -> tuple[int, int]:
     """(sequences per device per micro-batch, micro-batches accumulated per step)."""
-    micro = _micro_batch(trainer_cfg, data_size, micro_batch_per_device)
-    if trainer_cfg.train_batch_size % (micro * data_size):
-        raise ConfigError(
-            "trainer.train_batch_size",
-            f"{trainer_cfg.train_batch_size} is not divisible by the micro-batch ({micro} per device) x "
-            f"data-parallel devices ({data_size}) = {micro * data_size}",
-        )
-    return micro, trainer_cfg.train_batch_size // (micro * data_size)
-
-
-def _micro_batch(trainer_cfg: Any, data_size: int, micro_batch_per_device: int | None) -> int:
-    if micro_batch_per_device is None:
-        per = trainer_cfg.per_device_parallelism
-        micro_batch_per_device = per if isinstance(per, int) and per > 0 else trainer_cfg.train_batch_size // data_size
-    return max(1, int(micro_batch_per_device))
+    per = trainer_cfg.per_device_parallelism if micro_batch_per_device is None else micro_batch_per_device
+    return trainer_cfg.micro_batching(data_size, per if isinstance(per, int) else None)
 
 
 def _batch_bytes(train_batch_size: int, data_size: int, seq_len: int, segments: bool) -> int:

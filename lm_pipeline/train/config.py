@@ -222,19 +222,23 @@ class TrainerConfig:
                 "trainer.model_axis_size",
                 f"{self.model_axis_size} does not divide the {num_devices} devices; use a divisor of {num_devices}",
             )
-        data = num_devices // self.model_axis_size
-        per = self.per_device_parallelism if isinstance(self.per_device_parallelism, int) and self.per_device_parallelism > 0 else None
-        micro = (per or 1) * data
-        if per is None and self.train_batch_size % data:
-            raise ConfigError(
-                "trainer.train_batch_size",
-                f"{self.train_batch_size} is not divisible by the {data} data-parallel devices; use a multiple of {data}",
-            )
-        if per is not None and self.train_batch_size % micro:
-            raise ConfigError(
-                "trainer.train_batch_size",
-                f"{self.train_batch_size} is not divisible by per_device_parallelism ({per}) x data-parallel devices ({data}) = {micro}",
-            )
+        per = self.per_device_parallelism if isinstance(self.per_device_parallelism, int) else None
+        self.micro_batching(num_devices // self.model_axis_size, per)
+
+    def micro_batching(self, data_size: int, per_device: int | None = None) -> tuple[int, int]:
+        """(sequences per device per micro-batch, micro-batches accumulated per step) on
+        ``data_size`` data-parallel devices: the one place the batch's divisibility is checked.
+
+        ``per_device``: the micro-batch per device; None or <= 0 = the whole batch at once.
+        """
+        whole = per_device is None or per_device <= 0
+        micro = self.train_batch_size // data_size if whole else per_device
+        rows = max(1, micro) * data_size
+        if self.train_batch_size % rows or self.train_batch_size < data_size:
+            hint = (f"the {data_size} data-parallel devices; use a multiple of {data_size}" if whole else
+                    f"per_device_parallelism ({per_device}) x data-parallel devices ({data_size}) = {rows}")
+            raise ConfigError("trainer.train_batch_size", f"{self.train_batch_size} is not divisible by {hint}")
+        return max(1, micro), self.train_batch_size // rows
 
     def resolve_num_steps(self, num_sequences: int | None, seq_len: int) -> int:
         """Optimizer steps for this run, converting epochs / token budgets with the data size."""

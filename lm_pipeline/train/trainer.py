@@ -24,7 +24,6 @@ import optax
 from lm_pipeline.batch import LmBatch, SequenceDataset, device_put_batch
 from lm_pipeline.compute import ComputePlan, plan_for_mesh
 from lm_pipeline.models.base import LmModel
-from lm_pipeline.schema import ConfigError
 from lm_pipeline.train.config import Precision, TrainerConfig
 from lm_pipeline.train.loss import model_loss_sums
 from lm_pipeline.train.optim import OptimizerConfig, loss_scale, skipped_steps, weight_decay_mask
@@ -97,21 +96,14 @@ class StepFunctions:
 
 
 def micro_batches(trainer_cfg: TrainerConfig, plan: MeshPlan) -> tuple[int, int]:
-    """(rows per micro-batch, micro-batches per step) of gradient accumulation."""
-    batch_size = trainer_cfg.train_batch_size
+    """(rows per micro-batch over all data-parallel devices, micro-batches per step)."""
     if trainer_cfg.per_device_parallelism == "auto":
         raise ValueError(
             "per_device_parallelism: 'auto' must be resolved before building the step "
             "(lm_pipeline.estimate.resolve_auto_parallelism; train() does it)"
         )
-    micro = trainer_cfg.per_device_parallelism * plan.data_size if trainer_cfg.per_device_parallelism > 0 else batch_size
-    if batch_size % micro:
-        raise ConfigError(
-            "trainer.per_device_parallelism",
-            f"{trainer_cfg.per_device_parallelism} x {plan.data_size} data-parallel devices = {micro} rows per "
-            f"micro-batch must divide trainer.train_batch_size ({batch_size})",
-        )
-    return micro, batch_size // micro
+    per_device, accum = trainer_cfg.micro_batching(plan.data_size, trainer_cfg.per_device_parallelism)
+    return per_device * plan.data_size, accum
 
 
 @dataclass(frozen=True)
