@@ -17,8 +17,7 @@ from lm_pipeline.compute import REFERENCE, plan_for
 from lm_pipeline.config import load_config
 from lm_pipeline.kernels.cpu import fused_head_loss
 from lm_pipeline.kernels.cpu.fused_head_loss import fused_head_xent_sum, head_chunks
-from lm_pipeline.models.gpt2 import Gpt2Config
-from lm_pipeline.models.llama import LlamaConfig
+from lm_pipeline.models.config import Gpt2Config, LlamaConfig
 from lm_pipeline.train.loss import model_loss_sums, next_token_loss_sums, next_token_targets
 from lm_pipeline.train.sharding import make_mesh
 from lm_pipeline.train.trainer import build_step_functions, put_batch

@@ -15,7 +15,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from lm_pipeline.schema import ConfigError, from_dict
-from lm_pipeline.train.optim import OptimizerConfig, current_lr, skipped_steps, weight_decay_mask
+from lm_pipeline.train.optim import current_lr, skipped_steps, weight_decay_mask
+from lm_pipeline.train.optim_config import OptimizerConfig
 
 PEAK = 1.0
 MIN = 0.1  # min_lr_ratio * PEAK with the default ratio

@@ -40,10 +40,9 @@ from lm_pipeline.hf.files import (
     write_json,
     write_safetensors,
 )
-from lm_pipeline.models.base import LmConfig, LmModel
-from lm_pipeline.models.gpt2 import Gpt2Config
+from lm_pipeline.models.base import LmModel
+from lm_pipeline.models.config import Gpt2Config, LlamaConfig, LmConfig
 from lm_pipeline.models.hf_mapping import hf_config, to_hf_state_dict
-from lm_pipeline.models.llama import LlamaConfig
 
 log = logging.getLogger(__name__)
 

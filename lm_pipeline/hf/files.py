@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 
 from lm_pipeline.hf.config import parse_size
-from lm_pipeline.models.base import LmConfig
-from lm_pipeline.models.gpt2 import Gpt2Config
+from lm_pipeline.models.config import Gpt2Config, LmConfig
 
 __all__ = [
     "CONFIG_NAME", "GENERATION_CONFIG_NAME", "HUB_PATTERNS", "PICKLE_SUFFIXES", "SAFE_WEIGHTS_INDEX_NAME",

@@ -25,10 +25,9 @@ from lm_pipeline.hf.files import (
     pickle_message,
     read_safetensors_dir,
 )
-from lm_pipeline.models.base import LmConfig, LmModel
-from lm_pipeline.models.gpt2 import Gpt2Config
+from lm_pipeline.models.base import LmModel
+from lm_pipeline.models.config import Gpt2Config, LlamaConfig, LmConfig
 from lm_pipeline.models.hf_mapping import from_hf_state_dict
-from lm_pipeline.models.llama import LlamaConfig
 from lm_pipeline.schema import ConfigError, from_dict
 
 __all__ = ["config_from_hf", "load_hf_checkpoint"]

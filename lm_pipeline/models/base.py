@@ -21,16 +21,6 @@ import jax
 
 from lm_pipeline.compute import REFERENCE, ComputePlan
 
-# The config family and its validation helpers live in the light models.config (no JAX);
-# re-exported so that ``lm_pipeline.models.base`` keeps offering them.
-from lm_pipeline.models.config import (  # noqa: F401
-    LmConfig,
-    require_activation,
-    require_divisible,
-    require_positive,
-    require_probability,
-)
-
 
 class LmModel(eqx.Module):
     """Base of all models. Subclasses implement ``features`` and ``param_axes``."""

@@ -32,7 +32,7 @@ Packed rows: with segment ids, position embeddings restart at 0 at the start of 
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -40,7 +40,6 @@ import jax.numpy as jnp
 
 from lm_pipeline.compute import REFERENCE, ComputePlan
 from lm_pipeline.models.base import LmModel
-from lm_pipeline.models.config import Gpt2Config
 from lm_pipeline.models.layers import (
     F32,
     Attention,
@@ -57,6 +56,9 @@ from lm_pipeline.models.layers import (
     segment_positions,
     stack_blocks,
 )
+
+if TYPE_CHECKING:  # the config module builds this model: no import back at run time
+    from lm_pipeline.models.config import Gpt2Config
 
 
 class Gpt2Block(eqx.Module):

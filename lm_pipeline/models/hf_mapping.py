@@ -15,10 +15,9 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from lm_pipeline.models.base import LmConfig, LmModel
-from lm_pipeline.models.gpt2 import Gpt2Config
+from lm_pipeline.models.base import LmModel
+from lm_pipeline.models.config import Gpt2Config, LlamaConfig, LmConfig
 from lm_pipeline.models.layers import named_params, replace_params
-from lm_pipeline.models.llama import LlamaConfig
 
 
 def hf_config(cfg: LmConfig, vocab_size: int) -> dict[str, Any]:

@@ -32,7 +32,7 @@ Packed rows: with segment ids, rotary positions restart at 0 at the start of eac
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -40,7 +40,6 @@ import jax.numpy as jnp
 
 from lm_pipeline.compute import REFERENCE, ComputePlan
 from lm_pipeline.models.base import LmModel
-from lm_pipeline.models.config import LlamaConfig
 from lm_pipeline.models.layers import (
     Attention,
     KVCache,
@@ -56,6 +55,9 @@ from lm_pipeline.models.layers import (
     segment_positions,
     stack_blocks,
 )
+
+if TYPE_CHECKING:  # the config module builds this model: no import back at run time
+    from lm_pipeline.models.config import LlamaConfig
 
 
 class LlamaBlock(eqx.Module):

@@ -33,17 +33,18 @@ accepted after a few dozen skips instead of skipping forever.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from lm_pipeline.train.optim_config import CyclePhases, LrScheduleName, OptimizerConfig
+if TYPE_CHECKING:  # the config module builds this optimizer: no import back at run time
+    from lm_pipeline.train.optim_config import CyclePhases, OptimizerConfig
 
 __all__ = [
-    "LOSS_SCALE_INIT", "LOSS_SCALE_PERIOD", "CyclePhases", "LrScheduleName", "OptimizerConfig", "OptimizerState",
+    "LOSS_SCALE_INIT", "LOSS_SCALE_PERIOD", "OptimizerState",
     "all_finite", "build_optimizer", "current_lr", "loss_scale", "schedule_fn", "skipped_steps", "weight_decay_mask",
 ]
 

@@ -26,7 +26,8 @@ from lm_pipeline.compute import ComputePlan, plan_for_mesh
 from lm_pipeline.models.base import LmModel
 from lm_pipeline.train.config import Precision, TrainerConfig
 from lm_pipeline.train.loss import model_loss_sums
-from lm_pipeline.train.optim import OptimizerConfig, loss_scale, skipped_steps, weight_decay_mask
+from lm_pipeline.train.optim import loss_scale, skipped_steps, weight_decay_mask
+from lm_pipeline.train.optim_config import OptimizerConfig
 from lm_pipeline.train.sharding import MeshPlan
 
 log = logging.getLogger(__name__)
