@@ -235,12 +235,17 @@ def _cpu_attention(choice: str, f32: bool, num_devices: int) -> AttentionKind:
     return "cpu_blocked"
 
 
-def mesh_platform(mesh: jax.sharding.Mesh) -> str:
-    """The one platform of ``mesh``'s devices (a mesh never mixes platforms)."""
-    platforms = {d.platform for d in mesh.devices.flat}
+def one_platform(devices: Any) -> str:
+    """The one platform of ``devices`` (a mesh or a step never mixes platforms)."""
+    platforms = {d.platform for d in devices}
     if len(platforms) != 1:
-        raise ValueError(f"a mesh's devices must share one platform; got {sorted(platforms)}")
+        raise ValueError(f"devices must share one platform; got {sorted(platforms)}")
     return platforms.pop()
+
+
+def mesh_platform(mesh: jax.sharding.Mesh) -> str:
+    """The one platform of ``mesh``'s devices."""
+    return one_platform(mesh.devices.flat)
 
 
 def plan_for_mesh(
@@ -255,7 +260,11 @@ def plan_for_mesh(
 def plan_for_devices(devices: Any, compute_dtype: Any, *, attention: str | None = None) -> ComputePlan:
     """:func:`plan_for` a list of devices (e.g. ``jax.devices()[:1]`` for a one-device evaluation)."""
     devices = list(devices)
-    platforms = {d.platform for d in devices}
-    if len(platforms) != 1:
-        raise ValueError(f"devices must share one platform; got {sorted(platforms)}")
-    return plan_for(platforms.pop(), compute_dtype, num_devices=len(devices), attention=attention)
+    return plan_for(one_platform(devices), compute_dtype, num_devices=len(devices), attention=attention)
+
+
+def plan_for_params(params: Any) -> ComputePlan:
+    """The plan for one device of the default backend computing in the dtype of ``params``'s
+    first floating-point array (a model called outside a mesh: evaluation, generation)."""
+    dtype = next(x.dtype for x in jax.tree.leaves(params) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact))
+    return plan_for_devices(jax.devices()[:1], dtype)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lm_pipeline.compute import ComputePlan, plan_for_devices
+from lm_pipeline.compute import ComputePlan, plan_for_params
 from lm_pipeline.models.base import LmModel
 from lm_pipeline.models.layers import unstack_layers
 
@@ -188,8 +188,7 @@ def generate(
     unroll = known if unroll_layers is None else unroll_layers
     greedy = temperature == 0
     if plan is None:
-        param_dtype = cache_dtype or next(x.dtype for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
-        plan = plan_for_devices(jax.devices()[:1], param_dtype)
+        plan = plan_for_params(model)
     out = _generate(
         model, jnp.asarray(ids, jnp.int32), jax.random.PRNGKey(seed),
         None if greedy else jnp.float32(temperature),

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from lm_pipeline.batch import SequenceDataset
-from lm_pipeline.compute import ComputePlan, plan_for_devices
+from lm_pipeline.compute import ComputePlan, plan_for_params
 from lm_pipeline.eval.bpb import ByteCounter, bits_per_byte, target_mask
 from lm_pipeline.eval.config import resolve_dtype
 from lm_pipeline.eval.loading import (
@@ -109,8 +109,7 @@ def evaluate_model(
 
         model = cast_floating(model, resolve_dtype(compute_dtype))
     if plan is None:
-        dtype = next(x.dtype for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
-        plan = plan_for_devices(jax.devices()[:1], dtype)
+        plan = plan_for_params(model)
     logp = unigram.log_probs if isinstance(unigram, UnigramBaseline) else unigram
     return {
         name: _evaluate_set(model, name, ds, batch_size=batch_size, max_eval_batches=max_eval_batches,
