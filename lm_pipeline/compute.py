@@ -184,6 +184,8 @@ def plan_for(
     :data:`ATTENTION_CHOICES`, default ``$LM_PIPELINE_ATTENTION`` or ``auto``.
     """
     choice = attention_choice(attention)
+    if choice == "cudnn" and platform != "gpu":
+        raise ValueError(f"{ATTENTION_ENV}=cudnn needs a GPU; this mesh's platform is {platform}")
     f32 = jnp.dtype(compute_dtype) == jnp.float32
     if platform == "cpu":
         return ComputePlan(
@@ -199,8 +201,6 @@ def plan_for(
         )
     if choice in ("native", "blocked"):
         raise ValueError(f"{ATTENTION_ENV}={choice} is a CPU kernel; this mesh's platform is {platform}")
-    if choice == "cudnn" and platform != "gpu":
-        raise ValueError(f"{ATTENTION_ENV}=cudnn needs a GPU; this mesh's platform is {platform}")
     low_precision = jnp.dtype(compute_dtype) in (jnp.bfloat16, jnp.float16)
     cudnn = platform == "gpu" and (choice == "cudnn" or (choice == "auto" and low_precision))
     return ComputePlan(
@@ -220,8 +220,6 @@ def _cpu_attention(choice: str, f32: bool, num_devices: int) -> AttentionKind:
 
     if choice == "xla":
         return "xla"
-    if choice == "cudnn":
-        raise ValueError(f"{ATTENTION_ENV}=cudnn needs a GPU; this mesh's platform is cpu")
     if choice == "native":
         if not f32 or num_devices != 1:
             raise ValueError(
