@@ -17,6 +17,7 @@ import glob
 import io
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -39,6 +40,7 @@ __all__ = [
     "join",
     "local_path",
     "remove_stale_temps",
+    "remove_stale_temps_under",
     "replace_dir",
     "temp_sibling",
 ]
@@ -77,6 +79,29 @@ def remove_stale_temps(target: PathLike) -> None:
         else:
             with contextlib.suppress(OSError):
                 os.unlink(stale)
+
+
+def remove_stale_temps_under(directory: PathLike) -> list[str]:
+    """Remove every :func:`temp_sibling` leftover (``.<name>.tmp-<hex>``) anywhere under local
+    ``directory``; returns what was removed. Call it only while no writer of that tree runs
+    (e.g. holding the artifact's build lock, after the payload is written)."""
+    if not is_local(directory):
+        return []
+    root = local_path(directory)
+    pattern = re.compile(r"^\..+\.tmp-[0-9a-f]{12}$")
+    removed = []
+    for parent, dirs, files in os.walk(root):
+        for name in [*dirs, *files]:
+            if pattern.match(name):
+                stale = os.path.join(parent, name)
+                if os.path.isdir(stale) and not os.path.islink(stale):
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(stale)
+                removed.append(stale)
+        dirs[:] = [d for d in dirs if not pattern.match(d)]
+    return removed
 
 
 def _local_write(target: str, data: bytes, fault: str | None = None) -> None:

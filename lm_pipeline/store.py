@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from lm_pipeline import fs
-from lm_pipeline.atomic import atomic_write_text, remove_stale_temps
+from lm_pipeline.atomic import atomic_write_text, remove_stale_temps, remove_stale_temps_under
 from lm_pipeline.faultpoints import faultpoint
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,11 @@ class ArtifactStore:
             **info,
         }
         text = json.dumps(manifest, indent=2, sort_keys=True, default=str)
+        # A writer killed mid-write (an earlier attempt at this address) may have left temporary
+        # files in the payload; the lock is held and this attempt's writes are renamed, so any
+        # temporary name still there is stale and must not be published with the artifact.
+        for stale in remove_stale_temps_under(art.path):
+            log.info("%s: removed a temporary file left by an interrupted writer", stale)
         faultpoint(f"{art.stage}.before_manifest")  # the payload is written, the marker not yet
         atomic_write_text(art.manifest_path, text, fault=f"{art.stage}.manifest_tmp_written")
         remove_stale_temps(art.manifest_path)  # temporary manifests of writers killed mid-write

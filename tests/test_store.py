@@ -44,6 +44,31 @@ def test_manifest_marks_completion(tmp_path):
     assert sorted(os.listdir(art.path)) == ["data.bin", MANIFEST]
 
 
+def test_commit_drops_temporary_files_of_an_interrupted_earlier_writer(tmp_path):
+    # A writer killed between writing a temporary file and renaming it leaves ".name.tmp-<hex>"
+    # in the payload; the re-run that completes the address must not publish it.
+    from lm_pipeline.atomic import temp_sibling
+
+    store = ArtifactStore(str(tmp_path))
+    art = store.artifact("eval_report", "beef")
+    sub = os.path.join(art.path, "part")
+    os.makedirs(sub)
+    for d in (art.path, sub):
+        with open(os.path.join(d, "keep.json"), "w") as f:
+            f.write("{}")
+    stale_file = temp_sibling(os.path.join(art.path, "eval_report.json"))
+    stale_dir = temp_sibling(os.path.join(sub, "shard"))
+    open(stale_file, "w").close()
+    os.makedirs(stale_dir)
+    # names that only look alike are the payload's own and stay
+    lookalikes = [os.path.join(art.path, n) for n in (".hidden.tmp-notahex", "x.tmp-0123456789ab")]
+    for p in lookalikes:
+        open(p, "w").close()
+    store.commit(art, {})
+    left = sorted(os.path.relpath(os.path.join(r, n), art.path) for r, ds, fs in os.walk(art.path) for n in ds + fs)
+    assert left == sorted([".hidden.tmp-notahex", "keep.json", MANIFEST, "part", "part/keep.json", "x.tmp-0123456789ab"])
+
+
 def test_complete_lists_oldest_first_and_skips_hidden_and_partial(tmp_path):
     store = ArtifactStore(str(tmp_path))
     for fp in ("b", "a"):
