@@ -1,8 +1,10 @@
 """The code location: ``dagster dev`` (workspace.yaml / ``[tool.dagster]``) and
 ``dagster asset materialize -m assets.definitions`` load ``defs`` from here.
 
-The experiment is chosen when this module loads: ``$LM_PIPELINE_EXPERIMENT`` (default
-``configs/default.yaml``) plus ``$LM_PIPELINE_OVERRIDES``; see :mod:`assets.experiment`.
+Every experiment file of ``configs/experiments/`` (or ``$LM_PIPELINE_EXPERIMENTS_DIR``; one file
+only: ``$LM_PIPELINE_EXPERIMENT``), with ``$LM_PIPELINE_OVERRIDES``, read each time the code
+location loads: add a file and reload to see it. See :mod:`assets.experiment` and
+:mod:`assets.deployment`.
 """
 
 from assets.pipeline import build_definitions

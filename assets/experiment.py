@@ -1,9 +1,13 @@
-"""Which experiment the Dagster definitions describe, read once when the definitions load.
+"""Which experiments the Dagster definitions describe, read each time the code location loads.
 
-* ``LM_PIPELINE_EXPERIMENT``: path of the experiment YAML (default: ``configs/default.yaml`` of
-  this repository).
-* ``LM_PIPELINE_OVERRIDES``: field overrides, whitespace-separated ``section.field=value`` (values
-  parsed as YAML; quote as in a shell), e.g. ``"model.num_layers=2 optimizer.learning_rate=1e-3"``.
+* Every ``*.yaml`` file in ``configs/experiments/`` (or ``$LM_PIPELINE_EXPERIMENTS_DIR``) is one
+  experiment, named by its file name (``llama.yaml`` -> ``llama``). Adding a file and reloading the
+  code location (the UI's "Reload", or a new ``dagster`` command) shows it.
+* ``LM_PIPELINE_EXPERIMENT``: the path of one experiment YAML: only that one is loaded (handy for a
+  one-off run of a config that lives elsewhere).
+* ``LM_PIPELINE_OVERRIDES``: field overrides applied to every loaded experiment,
+  whitespace-separated ``section.field=value`` (values parsed as YAML; quote as in a shell),
+  e.g. ``"model.num_layers=2 optimizer.learning_rate=1e-3"``.
 
 They are read when the code location loads, never from run config, so every asset's
 ``code_version`` (and therefore the UI's stale flags) reflects the experiment actually run. A
@@ -15,14 +19,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_EXPERIMENT = REPO_ROOT / "configs" / "default.yaml"
+EXPERIMENTS_DIR = REPO_ROOT / "configs" / "experiments"
+DEFAULT_EXPERIMENT = EXPERIMENTS_DIR / "default.yaml"
 EXPERIMENT_ENV = "LM_PIPELINE_EXPERIMENT"
+EXPERIMENTS_DIR_ENV = "LM_PIPELINE_EXPERIMENTS_DIR"
+_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 OVERRIDES_ENV = "LM_PIPELINE_OVERRIDES"
 
 
@@ -46,7 +54,16 @@ class Experiment:
 
     @property
     def name(self) -> str:
+        """The experiment's name: its file name without ``.yaml`` (the first part of its asset keys)."""
         return Path(self.path).stem
+
+    def fresh_pipeline(self, store):
+        """A new :class:`~lm_pipeline.steps.Pipeline` over ``store`` that computes every address
+        from the data as it is now (a step of a run must never use addresses computed when the
+        code location loaded: the shards may have changed since)."""
+        from lm_pipeline.steps import Pipeline
+
+        return Pipeline(self.cfg, store, progress=False)
 
     @property
     def store_root(self) -> str:
@@ -94,3 +111,50 @@ def load_experiment(path: str | os.PathLike | None = None, overrides: Sequence[s
     if root != cfg.store.root:  # a plain string field: replaced without parsing the config again
         cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, root=root))
     return Experiment(os.path.abspath(chosen), tuple(pairs), cfg)
+
+
+def experiment_name(path: str | os.PathLike) -> str:
+    """The name of the experiment in file ``path``; a clear error if it cannot name assets."""
+    name = Path(path).stem
+    if not _NAME_RE.match(name) or name in RESERVED_NAMES:
+        raise ValueError(f"{path}: experiment file names become Dagster asset key prefixes: use letters, digits "
+                         f"and '_' (starting with a letter), not one of {sorted(RESERVED_NAMES)}; rename the file, "
+                         f"e.g. to {re.sub(r'[^A-Za-z0-9_]', '_', name).strip('_') or 'experiment'}.yaml")
+    return name
+
+
+#: Key prefixes the deployment uses itself (see :mod:`assets.deployment`).
+RESERVED_NAMES = frozenset({"shared", "experiments"})
+
+
+def experiment_files(directory: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> list[Path]:
+    """The experiment files to load: ``$LM_PIPELINE_EXPERIMENT`` alone, else every ``*.yaml`` of
+    ``directory`` (default ``$LM_PIPELINE_EXPERIMENTS_DIR``, else ``configs/experiments/``), sorted."""
+    env = os.environ if env is None else env
+    single = (env.get(EXPERIMENT_ENV) or "").strip()
+    if directory is None and single:
+        return [Path(single)]
+    folder = Path(directory if directory is not None else (env.get(EXPERIMENTS_DIR_ENV) or "").strip() or EXPERIMENTS_DIR)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"experiments folder {folder} does not exist (${EXPERIMENTS_DIR_ENV}); create it "
+                                "with one YAML file per experiment, or name one file with $" + EXPERIMENT_ENV)
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+    if not files:
+        raise FileNotFoundError(f"no experiment in {folder}: add a YAML file per experiment "
+                                f"(e.g. copy {DEFAULT_EXPERIMENT.relative_to(REPO_ROOT)})")
+    return files
+
+
+def load_experiments(directory: str | os.PathLike | None = None, overrides: Sequence[str] | str | None = None,
+                     env: Mapping[str, str] | None = None) -> list[Experiment]:
+    """Every experiment of the deployment (see :func:`experiment_files`), each with the overrides
+    (default ``$LM_PIPELINE_OVERRIDES``); names are checked to be usable and distinct."""
+    exps = []
+    seen: dict[str, Path] = {}
+    for path in experiment_files(directory, env):
+        name = experiment_name(path)
+        if name in seen:
+            raise ValueError(f"two experiments are named {name!r}: {seen[name]} and {path}; rename one")
+        seen[name] = path
+        exps.append(load_experiment(path, overrides, env))
+    return exps

@@ -1,29 +1,32 @@
-"""The pipeline as Dagster software-defined assets.
+"""The deployment as Dagster software-defined assets: every experiment, shared stages merged.
 
-Lineage (group ``pipeline``; job ``pipeline`` materializes all six)::
+Each experiment (a file of ``configs/experiments/``) has the lineage::
 
-    raw_shards -> tokenizer -> token_cache -> train_ckpt -> eval_report, hf_export
+    data_sources -> raw_shards -> tokenizer -> token_cache -> train_ckpt -> eval_report, hf_export
 
-(``token_cache`` also reads ``raw_shards``; ``eval_report`` also reads ``token_cache``),
-
-plus ``checkpoint_eval`` (group ``evaluation``): one dynamic partition per training checkpoint,
-requested by the ``new_checkpoint_sensor`` and re-run by the ``reevaluate_latest_checkpoints``
-schedule (job ``evaluate_checkpoints``).
+and stages that experiments share are one asset (``shared/<stage>``; keys and sharing:
+:mod:`assets.deployment`). Besides: ``<experiment>/checkpoint_eval`` (one dynamic partition per
+training checkpoint, requested by ``new_checkpoint_sensor`` and re-run by the
+``reevaluate_latest_checkpoints`` schedule) and ``experiments/comparison`` (every experiment's
+evaluation side by side, refreshed by ``comparison_sensor`` when an evaluation lands).
 
 Every asset is a thin shell around :class:`lm_pipeline.steps.Pipeline`: it computes its
-fingerprint, returns at once on a cache hit (a complete artifact at
-``<store>/<stage>/<fingerprint>/``), else calls the core. Each returns a ``MaterializeResult`` whose
-``data_version`` is the fingerprint and whose metadata says what was built; its ``code_version``
-is :meth:`Pipeline.config_version`, a hash of the semantic config of the stage *and of all stages
-before it*, so a config edit marks exactly the assets whose artifacts it changes as stale. Assets
-pass nothing through Dagster's IO manager but a few small dicts: artifacts stay in the store.
+fingerprint from the data as it is now, returns at once on a cache hit (a complete artifact at
+``<store>/<stage>/<fingerprint>/``), else calls the core. Its ``data_version`` is the fingerprint;
+its ``code_version`` is :meth:`Pipeline.config_version` (the semantic config of the stage and of
+every stage before it), so a config edit marks exactly the assets whose artifacts it changes as
+stale, and ``data_sources`` (observed: the shards' content) marks every stage stale when the data
+changes. What Dagster records is what was used: before building, each asset checks that the
+latest materialization of each upstream asset is the artifact it reads (else it fails, naming
+what to materialize first) and records the current observation of its data; its metadata holds
+the experiment, the semantic config and the input fingerprints of *that* artifact.
 
-``token_cache`` is a graph: ``token_cache_plan`` fans out one ``token_cache_group`` step per shard
-group (dynamic outputs; run in parallel by the multiprocess executor), ``token_cache_commit``
-assembles and commits the cache. ``train_ckpt`` runs through the ``training`` resource -- by
-default its own process through Dagster Pipes -- reports each checkpoint as an observation of
-``train_ckpt`` as it lands, and is retried by a ``RetryPolicy``; a retry resumes from the run's
-latest checkpoint.
+``token_cache`` is a graph: a plan op fans out one op per shard group (dynamic outputs; run in
+parallel by the multiprocess executor), a commit op assembles and commits the cache.
+``train_ckpt`` runs through the ``training`` resource -- by default its own process through
+Dagster Pipes -- reports each checkpoint as an observation as it lands, is retried by a
+``RetryPolicy`` (a retry resumes from the run's latest checkpoint) and runs in the
+``lm_pipeline_training`` pool; evaluations run in the ``lm_pipeline_evaluation`` pool.
 """
 
 
@@ -36,13 +39,15 @@ import signal
 import subprocess
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import dagster as dg
 
+from assets import comparison as cmp
 from assets import metadata as md
-from assets.experiment import Experiment, load_experiment
+from assets.deployment import COMPARISON_GROUP, COMPARISON_KEY, Deployment, Node
+from assets.experiment import Experiment, load_experiments
 from lm_pipeline.steps import STAGE_NAMES
 from resources import (
     ArtifactStoreResource,
@@ -52,14 +57,30 @@ from resources import (
     apply_runtime_overrides,
 )
 
-GROUP = "pipeline"
-EVAL_GROUP = "evaluation"
 PIPELINE_JOB = "pipeline"
-EVAL_JOB = "evaluate_checkpoints"
+COMPARE_JOB = "compare_experiments"
+OBSERVE_JOB = "observe_data_sources"
 LINEAGE = STAGE_NAMES
-CHECKPOINTS = dg.DynamicPartitionsDefinition(name="checkpoints")
 CHECKPOINT_TAG = "lm_pipeline/checkpoint"
+EXPERIMENT_TAG = "lm_pipeline/experiment"
 TRAIN_RETRIES = 2
+TRAINING_POOL = "lm_pipeline_training"
+EVALUATION_POOL = "lm_pipeline_evaluation"
+
+
+def eval_job_name(experiment: str) -> str:
+    """The job that evaluates checkpoints of ``experiment`` (one partition per checkpoint)."""
+    return f"evaluate_{experiment}"
+
+
+def experiment_job_name(experiment: str) -> str:
+    """The job that materializes one experiment's lineage (its data source observed first)."""
+    return f"pipeline_{experiment}"
+
+
+def checkpoints_partitions(experiment: str) -> dg.DynamicPartitionsDefinition:
+    """The checkpoints of ``experiment`` (keys ``<train fingerprint>-step<N>``)."""
+    return dg.DynamicPartitionsDefinition(name=f"checkpoints_{experiment}")
 
 _KEY_RE = re.compile(r"^(?P<fp>[0-9A-Za-z_.\-]+)-step(?P<step>\d+)$")
 
@@ -96,9 +117,9 @@ def _log(context, res) -> None:
         context.log.info(f"{res.stage} {res.fingerprint}: built in {res.seconds:.1f}s at {res.path}")
 
 
-def _observation(c: Mapping[str, Any], run_fingerprint: str) -> dg.AssetObservation:
+def _observation(asset: dg.AssetKey, c: Mapping[str, Any], run_fingerprint: str) -> dg.AssetObservation:
     key = checkpoint_key(run_fingerprint, int(c["step"]))
-    return dg.AssetObservation(asset_key="train_ckpt", metadata=md.checkpoint_observation(
+    return dg.AssetObservation(asset_key=asset, metadata=md.checkpoint_observation(
         c, run_fingerprint=run_fingerprint, partition_key=key))
 
 
@@ -107,7 +128,7 @@ def _observation(c: Mapping[str, Any], run_fingerprint: str) -> dg.AssetObservat
 # --------------------------------------------------------------------------------------------
 
 
-def _train_in_process(context, pipe, fp: str, poll: float) -> Iterator[Any]:
+def _train_in_process(context, asset: dg.AssetKey, pipe, fp: str, poll: float) -> Iterator[Any]:
     from lm_pipeline.pipes_train import CheckpointWatcher, fault_hooks
     from lm_pipeline.train.trainer import Hook
 
@@ -125,16 +146,16 @@ def _train_in_process(context, pipe, fp: str, poll: float) -> Iterator[Any]:
         while True:
             done, _ = concurrent.futures.wait([fut], timeout=poll)
             for c in watcher.poll():
-                yield _observation(c, fp)
+                yield _observation(asset, c, fp)
             if done:
                 break
         res = fut.result()
     for c in watcher.poll():
-        yield _observation(c, fp)
+        yield _observation(asset, c, fp)
     return res, {}
 
 
-def _train_with_pipes(context, pipe, fp: str, cfg, store: ArtifactStoreResource, training: TrainingLauncherResource,
+def _train_with_pipes(context, asset: dg.AssetKey, pipe, fp: str, cfg, store: ArtifactStoreResource, training: TrainingLauncherResource,
                       jax_runtime: JaxRuntimeResource) -> Iterator[Any]:
     from lm_pipeline.config import dump_config
 
@@ -148,7 +169,7 @@ def _train_with_pipes(context, pipe, fp: str, cfg, store: ArtifactStoreResource,
         msgs = session.get_custom_messages()
         for m in msgs[seen:]:
             if isinstance(m, Mapping) and m.get("type") == "checkpoint":
-                yield _observation(m, str(m.get("run_fingerprint") or fp))
+                yield _observation(asset, m, str(m.get("run_fingerprint") or fp))
         seen = len(msgs)
 
     stack = contextlib.ExitStack()
@@ -207,49 +228,145 @@ METADATA = {"raw_shards": md.raw_shards, "tokenizer": md.tokenizer, "token_cache
             "train_ckpt": md.train_ckpt, "eval_report": md.eval_report, "hf_export": md.hf_export}
 
 
-def build_assets(exp: Experiment) -> list:
-    """The assets of the experiment: one per stage of the table (``lm_pipeline.steps.STAGES``),
-    plus ``checkpoint_eval``. ``token_cache`` (fanned out) and ``train_ckpt`` (a training process)
-    have their own factories; every other stage is a plain asset around its build function."""
-    base = exp.pipeline()
+def _json(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def source_version(pipe) -> tuple[str, dict[str, Any]]:
+    """The data version of an experiment's source data: a hash of every shard's fingerprint (file
+    shards: their bytes; Hugging Face datasets: their own fingerprint or pinned revision), and the
+    per-shard fingerprints it covers. Reads the data as it is now."""
+    import hashlib
+
+    shards = dict(sorted(pipe.address("raw_shards").inputs.items()))
+    return hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()[:16], shards
+
+
+def _latest_version(instance: dg.DagsterInstance, key: dg.AssetKey) -> str | None:
+    """The data version Dagster holds for ``key`` now (its latest materialization or observation)."""
+    rec = instance.get_latest_data_version_record(key)
+    if rec is None:
+        return None
+    event = rec.asset_materialization or rec.asset_observation
+    return (event.tags or {}).get("dagster/data_version") if event is not None else None
+
+
+def _verify_inputs(context, dep: Deployment, node: Node, pipe) -> dict[str, str]:
+    """Make what Dagster records about this asset's inputs true before it builds.
+
+    The data source: its current version is recorded as an observation when Dagster's latest one
+    differs (the data changed since it was last observed), so the materialization's provenance
+    names the data actually read. Upstream stages: the latest materialization of each upstream
+    asset must be the artifact this stage reads; an upstream artifact that is complete in the
+    store but not Dagster's latest (built from the command line, or before a config edit was
+    reverted) is recorded as a materialization (a cache hit), and a missing one fails in one line
+    naming what to materialize first. Returns the input fingerprints used, by upstream stage."""
+    instance = context.instance
+    src = dep.source_key(node.owner.name)
+    version, shards = source_version(pipe)
+    if _latest_version(instance, src) != version:
+        context.log_event(dg.AssetObservation(asset_key=src, tags={"dagster/data_version": version},
+                                              metadata={"shards": len(shards), "observed_by": "stage " + node.stage}))
+    used: dict[str, str] = {}
+    for up in pipe.stage(node.stage).upstream:
+        key = dep.key(node.owner.name, up)
+        want = pipe.address(up).fingerprint
+        used[up] = want
+        if _latest_version(instance, key) == want:
+            continue
+        hit = pipe.cached(up)
+        if hit is None:
+            what = key.to_user_string()
+            raise dg.Failure(f"{node.key.to_user_string()} reads {up} {want}, which is not built: materialize "
+                             f"{what} first (e.g. --select '+{node.key.to_user_string()}', or the "
+                             f"'{experiment_job_name(node.owner.name)}' job)")
+        meta = METADATA[up](hit)
+        meta["recorded_by"] = dg.MetadataValue.text(f"{node.key.to_user_string()} (complete in the store, not yet "
+                                                    "recorded by Dagster)")
+        context.log_event(dg.AssetMaterialization(asset_key=key, metadata=meta, tags={"dagster/data_version": want}))
+    return used
+
+
+def _provenance(dep: Deployment, node: Node, pipe, used: Mapping[str, str]) -> dict[str, Any]:
+    """The metadata that says what this artifact is: experiments, config, inputs."""
+    return {
+        "experiments": dg.MetadataValue.text(", ".join(node.names)),
+        "experiment_files": dg.MetadataValue.json({e.name: e.describe() for e in node.experiments}),
+        "semantic_config": dg.MetadataValue.json(_json(pipe.stage_config(node.stage))),
+        "input_fingerprints": dg.MetadataValue.json({**used, "data_sources": source_version(pipe)[0]}),
+    }
+
+
+def _run_pipe(exp: Experiment, store: ArtifactStoreResource):
+    return exp.fresh_pipeline(store.store())
+
+
+def build_assets(dep: Deployment) -> list:
+    """The assets of the deployment: the data sources, one asset per stage node (shared ones
+    once), each experiment's ``checkpoint_eval`` and the comparison."""
     special = {"token_cache": _token_cache_asset, "train_ckpt": _train_ckpt_asset}
-    assets = []
-    for stage in base.stages.values():
-        spec = {"group_name": GROUP, "code_version": base.config_version(stage.name), "kinds": {stage.kind},
-                "description": stage.description,
-                "metadata": {"experiment": dg.MetadataValue.text(exp.describe()),
-                             "semantic_config": dg.MetadataValue.json(
-                                 json.loads(json.dumps(base.stage_config(stage.name), default=str))),
+    assets: list = [_source_asset(dep, key, node) for key, node in dep.sources.items()]
+    for node in dep.nodes():
+        base = node.owner.pipeline()
+        stage = base.stage(node.stage)
+        spec = {"group_name": node.group, "code_version": node.version, "kinds": {stage.kind},
+                "description": stage.description + (f" Shared by {', '.join(node.names)}." if node.shared else ""),
+                "tags": {f"experiment/{n}": "" for n in node.names},
+                "metadata": {"experiments": dg.MetadataValue.text(", ".join(node.names)),
+                             "semantic_config": dg.MetadataValue.json(_json(base.stage_config(stage.name))),
                              "fingerprint_inputs": dg.MetadataValue.text(
                                  ", ".join(base.input_stages(stage.name)) or "the data's content")}}
-        assets.append(special.get(stage.name, _stage_asset)(exp, stage, spec))
-    assets.append(_checkpoint_eval_asset(exp))
+        assets.append(special.get(stage.name, _stage_asset)(dep, node, spec))
+    assets += [_checkpoint_eval_asset(dep, name) for name in dep.experiments]
+    assets.append(_comparison_asset(dep))
     return assets
 
 
-def _stage_asset(exp: Experiment, stage, spec: dict[str, Any]):
-    """A stage as one asset: build it (a hit does no work); checkpoint readers never train."""
+def _source_asset(dep: Deployment, key: dg.AssetKey, raw: Node):
+    """The source data under ``raw``: observed (data version = a hash of the shards' content)."""
 
-    @dg.asset(key=stage.name, deps=list(stage.upstream), **spec)
+    @dg.observable_source_asset(key=key, group_name=raw.group,
+                                description="The source data (shards) of " + ", ".join(raw.names) + ": its data "
+                                            "version hashes every shard's content, so an edit marks every stage "
+                                            "built from it stale. Observed by data_sources_sensor and each run.")
+    def _observe(context, store: ArtifactStoreResource) -> dg.ObserveResult:
+        version, shards = source_version(_run_pipe(raw.owner, store))
+        return dg.ObserveResult(data_version=dg.DataVersion(version), metadata={
+            "shards": dg.MetadataValue.int(len(shards)),
+            "shard_fingerprints": dg.MetadataValue.json(shards)})
+
+    return _observe
+
+
+def _stage_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
+    """A stage as one asset: build it (a hit does no work); checkpoint readers never train."""
+    pool = EVALUATION_POOL if node.stage == "eval_report" else None
+
+    @dg.asset(key=node.key, deps=node.deps, pool=pool, **spec)
     def _asset(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
-        pipe = exp.pipeline(store.store())
-        if stage.per_checkpoint:
+        pipe = _run_pipe(node.owner, store)
+        if pipe.stage(node.stage).per_checkpoint:
             _require_trained(pipe)
-        res = pipe.build(stage.name)
+        used = _verify_inputs(context, dep, node, pipe)
+        res = pipe.build(node.stage)
         _log(context, res)
-        return _result(res, METADATA[stage.name](res))
+        return _result(res, {**METADATA[node.stage](res), **_provenance(dep, node, pipe, used)})
 
     return _asset
 
 
-def _token_cache_asset(exp: Experiment, stage, spec: dict[str, Any]):
+def _token_cache_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
     """``token_cache`` as a graph: a plan op fans out one op per shard group, a commit op joins them."""
     from lm_pipeline.steps import CacheGroup
 
-    @dg.op(name="token_cache_plan", ins={up: dg.In(dg.Nothing) for up in stage.upstream},
+    exp = node.owner
+    prefix = node.key.to_python_identifier()
+    ins = {f"in_{i}": dk for i, dk in enumerate(node.deps)}
+
+    @dg.op(name=f"{prefix}_plan", ins={n: dg.In(dg.Nothing) for n in ins},
            out=dg.DynamicOut(dict), description="Hit: nothing to do. Miss: one output per shard group.")
     def token_cache_plan(context: dg.OpExecutionContext, store: ArtifactStoreResource):
-        pipe = exp.pipeline(store.store())
+        pipe = _run_pipe(exp, store)
         hit = pipe.cached("token_cache")
         if hit is not None:
             context.log.info(f"token_cache {hit.fingerprint}: cache hit, no shard group to tokenize")
@@ -259,51 +376,54 @@ def _token_cache_asset(exp: Experiment, stage, spec: dict[str, Any]):
         for g in groups:
             yield dg.DynamicOutput(g.to_dict(), mapping_key=g.key)
 
-    @dg.op(name="token_cache_group", description="Tokenize one shard group into its part of the cache.")
+    @dg.op(name=f"{prefix}_group", description="Tokenize one shard group into its part of the cache.")
     def token_cache_group(context: dg.OpExecutionContext, group: dict, store: ArtifactStoreResource) -> dict:
-        info = exp.pipeline(store.store()).token_cache_part(CacheGroup.from_dict(group))
+        info = _run_pipe(exp, store).token_cache_part(CacheGroup.from_dict(group))
         context.log.info(f"group {info['group']}: {info.get('num_docs')} docs, {info.get('num_tokens')} tokens "
                          f"in {info['seconds']:.1f}s")
         return info
 
-    @dg.op(name="token_cache_commit", out=dg.Out(dg.Nothing),
+    @dg.op(name=f"{prefix}_commit", out=dg.Out(dg.Nothing),
            description="Assemble the groups' parts into the token cache and commit it (a hit if complete).")
     def token_cache_commit(context: dg.OpExecutionContext, parts: list, store: ArtifactStoreResource):
-        res = exp.pipeline(store.store()).token_cache_commit(parts)
+        pipe = _run_pipe(exp, store)
+        used = _verify_inputs(context, dep, node, pipe)
+        res = pipe.token_cache_commit(parts)
         _log(context, res)
-        meta = METADATA["token_cache"](res)
+        meta = {**METADATA["token_cache"](res), **_provenance(dep, node, pipe, used)}
         meta["groups_tokenized_in_this_run"] = dg.MetadataValue.int(len(parts))
         with warnings.catch_warnings():  # Output(data_version=...) is marked beta
             warnings.simplefilter("ignore")
             return dg.Output(None, data_version=dg.DataVersion(res.fingerprint), metadata=meta)
 
-    spec = {**spec, "description": spec["description"][:-1] + ", fanned out over shard groups."}
+    spec = {**spec, "description": spec["description"].replace("cache.", "cache, fanned out over shard groups.", 1)}
 
-    @dg.graph_asset(name=stage.name, ins={up: dg.AssetIn(up, dagster_type=dg.Nothing) for up in stage.upstream},
-                    **spec)
-    def token_cache(raw_shards, tokenizer):
-        groups = token_cache_plan(raw_shards=raw_shards, tokenizer=tokenizer)
+    @dg.graph_asset(key=node.key, ins={n: dg.AssetIn(dk, dagster_type=dg.Nothing) for n, dk in ins.items()}, **spec)
+    def token_cache(**inputs):
+        groups = token_cache_plan(**inputs)
         return token_cache_commit(groups.map(token_cache_group).collect())
 
     return token_cache
 
 
-def _train_ckpt_asset(exp: Experiment, stage, spec: dict[str, Any]):
-    """``train_ckpt``: through the ``training`` resource (Pipes or in-process), retried; each
-    checkpoint is reported as an observation as it lands."""
+def _train_ckpt_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
+    """``train_ckpt``: through the ``training`` resource (Pipes or in-process), retried, in the
+    training pool; each checkpoint is reported as an observation as it lands."""
+    exp = node.owner
     spec = {**spec, "description": spec["description"] + " Each checkpoint is reported as an observation "
                                                           "as it lands."}
 
-    @dg.asset(key=stage.name, deps=list(stage.upstream), retry_policy=dg.RetryPolicy(max_retries=TRAIN_RETRIES, delay=2),
-              **spec)
+    @dg.asset(key=node.key, deps=node.deps, retry_policy=dg.RetryPolicy(max_retries=TRAIN_RETRIES, delay=2),
+              pool=TRAINING_POOL, **spec)
     def train_ckpt(context: dg.AssetExecutionContext, store: ArtifactStoreResource, training: TrainingLauncherResource,
                    jax_runtime: JaxRuntimeResource, tracking: TrackingResource):
-        pipe = exp.pipeline(store.store())
+        pipe = _run_pipe(exp, store)
         fp = pipe.address("train_ckpt").fingerprint
+        used = _verify_inputs(context, dep, node, pipe)
         hit = pipe.cached("train_ckpt")
         if hit is not None:
             _log(context, hit)
-            yield _result(hit, METADATA["train_ckpt"](hit))
+            yield _result(hit, {**METADATA["train_ckpt"](hit), **_provenance(dep, node, pipe, used)})
             return
         if context.retry_number:
             from lm_pipeline.train.checkpoint import latest_checkpoint
@@ -315,34 +435,77 @@ def _train_ckpt_asset(exp: Experiment, stage, spec: dict[str, Any]):
         except ValueError:
             raise dg.Failure("runtime overrides changed the run's fingerprint") from None
         if training.validate_mode() == "pipes":
-            res, extra = yield from _train_with_pipes(context, run_pipe, fp, cfg, store, training, jax_runtime)
+            res, extra = yield from _train_with_pipes(context, node.key, run_pipe, fp, cfg, store, training, jax_runtime)
         else:
-            res, extra = yield from _train_in_process(context, run_pipe, fp, training.poll_seconds)
+            res, extra = yield from _train_in_process(context, node.key, run_pipe, fp, training.poll_seconds)
         _log(context, res)
-        yield _result(res, METADATA["train_ckpt"](res, extra))
+        yield _result(res, {**METADATA["train_ckpt"](res, extra), **_provenance(dep, node, pipe, used)})
 
     return train_ckpt
 
 
-def _checkpoint_eval_asset(exp: Experiment):
-    """``checkpoint_eval``: the eval_report stage of one checkpoint partition (any run)."""
+def _checkpoint_eval_asset(dep: Deployment, name: str):
+    """``<experiment>/checkpoint_eval``: the experiment's evaluation of one checkpoint partition."""
+    exp = dep.experiments[name]
     base = exp.pipeline()
+    train_key = dep.key(name, "train_ckpt")
 
-    @dg.asset(key="checkpoint_eval", deps=["train_ckpt"], partitions_def=CHECKPOINTS, group_name=EVAL_GROUP,
-              code_version=base.own_version("eval_report"), kinds={base.stage("eval_report").kind},
-              description="The evaluation report of one training checkpoint (partition <run>-step<N>), "
-                          "requested by new_checkpoint_sensor as checkpoints land.")
+    @dg.asset(key=dep.checkpoint_eval_key(name), deps=[train_key], partitions_def=checkpoints_partitions(name),
+              group_name=name, code_version=base.own_version("eval_report"), kinds={base.stage("eval_report").kind},
+              pool=EVALUATION_POOL,
+              description=f"The evaluation report ({name}'s eval settings) of one checkpoint of {train_key.to_user_string()} "
+                          "(partition <run>-step<N>), requested by new_checkpoint_sensor as checkpoints land.")
     def checkpoint_eval(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
         key = context.partition_key
-        path = find_checkpoint(context.instance, key, store, tags=context.run.tags)
+        path = find_checkpoint(context.instance, key, store, tags=context.run.tags, asset=train_key)
         pipe = _checkpoint_pipeline(path, store, eval_config=base.eval_config)
         res = pipe.eval_report(checkpoint=path)
         _log(context, res)
         meta = METADATA["eval_report"](res)
         meta["run_fingerprint"] = dg.MetadataValue.text(parse_checkpoint_key(key)[0])
+        meta["experiment"] = dg.MetadataValue.text(name)
+        meta["eval_config"] = dg.MetadataValue.json(_json(pipe.stage_config("eval_report")))
         return _result(res, meta)
 
     return checkpoint_eval
+
+
+def comparison_rows(dep: Deployment, store_for) -> list[dict[str, Any]]:
+    """One row per experiment (:func:`assets.comparison.experiment_row`), from the store."""
+    return [cmp.experiment_row(name, exp.fresh_pipeline(store_for(exp))) for name, exp in dep.experiments.items()]
+
+
+def _comparison_asset(dep: Deployment):
+    evals = sorted({dep.key(n, "eval_report") for n in dep.experiments}, key=lambda k: k.to_user_string())
+
+    @dg.asset(key=COMPARISON_KEY, deps=evals, group_name=COMPARISON_GROUP, kinds={"pandas"},
+              description="Every experiment's final evaluation side by side (loss, bits per byte vs the unigram "
+                          "baseline, parameters, training tokens and wall time): a table and a plot. Refreshed by "
+                          "comparison_sensor when an evaluation lands.")
+    def comparison(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
+        from lm_pipeline.store import ArtifactStore
+
+        def store_for(exp: Experiment):
+            return store.store() if exp.store_root == dep_root else ArtifactStore(exp.store_root)
+
+        dep_root = next(iter(dep.experiments.values())).store_root
+        rows = comparison_rows(dep, store_for)
+        fp, path, hit = cmp.write_comparison(store.store(), rows)
+        context.log.info(f"comparison {fp}: {'cache hit' if hit else 'written'} at {path}")
+        table = dg.MetadataValue.table(
+            [dg.TableRecord({c: r[c] for c in cmp.COLUMNS}) for r in rows],
+            schema=dg.TableSchema(columns=[dg.TableColumn(c, "string" if c in ("experiment", "model", "eval_report",
+                                                                              "train_ckpt") else "float")
+                                           for c in cmp.COLUMNS]))
+        meta = {"path": dg.MetadataValue.path(path), "fingerprint": dg.MetadataValue.text(fp),
+                "cache_hit": dg.MetadataValue.bool(hit), "experiments": dg.MetadataValue.int(len(rows)),
+                "evaluated": dg.MetadataValue.int(sum(r["bpb"] is not None for r in rows)),
+                "comparison": table, "comparison_md": dg.MetadataValue.md(cmp.markdown_table(rows))}
+        if any(r["bpb"] is not None for r in rows):
+            meta["plot"] = md._png_md("bits per byte by experiment", f"{path}/comparison.png")
+        return dg.MaterializeResult(metadata=meta, data_version=dg.DataVersion(fp))
+
+    return comparison
 
 
 def _checkpoint_pipeline(checkpoint: str, store: ArtifactStoreResource, *, eval_config=None):
@@ -358,15 +521,15 @@ def _checkpoint_pipeline(checkpoint: str, store: ArtifactStoreResource, *, eval_
 
 
 def find_checkpoint(instance: dg.DagsterInstance, key: str, store: ArtifactStoreResource,
-                    tags: Mapping[str, str] | None = None) -> str:
-    """The checkpoint directory of a ``checkpoints`` partition key: the run's tag, else the
-    ``train_ckpt`` observation that reported it, else the run's default place in the store."""
+                    tags: Mapping[str, str] | None = None, asset: dg.AssetKey | str = "train_ckpt") -> str:
+    """The checkpoint directory of a checkpoints partition key: the run's tag, else the
+    observation of the training ``asset`` that reported it, else the run's default place in the store."""
     from lm_pipeline.train.checkpoint import latest_checkpoint
 
     candidates = []
     if tags and tags.get(CHECKPOINT_TAG):
         candidates.append(tags[CHECKPOINT_TAG])
-    records = instance.fetch_observations(dg.AssetKey("train_ckpt"), limit=1000).records
+    records = instance.fetch_observations(dg.AssetKey.from_coercible(asset), limit=1000).records
     for rec in records:
         obs = rec.asset_observation
         meta = obs.metadata if obs is not None else {}
@@ -383,38 +546,55 @@ def find_checkpoint(instance: dg.DagsterInstance, key: str, store: ArtifactStore
 
 
 # --------------------------------------------------------------------------------------------
-# sensor and schedule
+# sensors and schedule
 # --------------------------------------------------------------------------------------------
 
 
 def checkpoint_requests(instance: dg.DagsterInstance, cursor: str | None, *, limit: int = 500,
-                        kinds: tuple[str, ...] = ("permanent",)) -> dg.SensorResult:
-    """One run request per newly reported complete checkpoint (``train_ckpt`` observations after
-    the cursor), each exactly once: its partition key is added to ``checkpoints`` and used as the
-    run key, and keys that already exist are skipped."""
-    after = int(cursor) if cursor else None
-    result = instance.fetch_observations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey("train_ckpt"), after_storage_id=after), limit=limit, ascending=True)
+                        kinds: tuple[str, ...] = ("permanent",),
+                        train_keys: Mapping[dg.AssetKey, Sequence[str]] | None = None) -> dg.SensorResult:
+    """One run request per newly reported complete checkpoint and experiment: the observations
+    of each training asset in ``train_keys`` (key -> the experiments training through it; default
+    ``{train_ckpt: [""]}``, one experiment with unprefixed names) after the cursor, each exactly
+    once: its partition key is added to the experiment's checkpoints and used in the run key, and
+    keys that already exist are skipped. The cursor is a JSON map of asset key -> storage id."""
+    train_keys = dict(train_keys) if train_keys is not None else {dg.AssetKey("train_ckpt"): [""]}
+    try:
+        cursors = json.loads(cursor) if cursor else {}
+        if not isinstance(cursors, dict):
+            cursors = {}
+    except json.JSONDecodeError:
+        cursors = {}
     requests: list[dg.RunRequest] = []
-    new_keys: list[str] = []
-    last = after
-    for rec in result.records:
-        last = rec.storage_id
-        obs = rec.asset_observation
-        meta = obs.metadata if obs is not None else {}
-        if meta.get("checkpoint_key") is None or meta.get("checkpoint_path") is None:
-            continue
-        key = str(meta["checkpoint_key"].value)
-        kind = str(meta["kind"].value) if meta.get("kind") is not None else "permanent"
-        if kind not in kinds or key in new_keys or instance.has_dynamic_partition(CHECKPOINTS.name, key):
-            continue
-        new_keys.append(key)
-        requests.append(dg.RunRequest(run_key=key, partition_key=key,
-                                      tags={CHECKPOINT_TAG: str(meta["checkpoint_path"].value)}))
+    adds: dict[str, list[str]] = {}
+    for asset, experiments in train_keys.items():
+        user_key = asset.to_user_string()
+        after = cursors.get(user_key)
+        result = instance.fetch_observations(
+            dg.AssetRecordsFilter(asset_key=asset, after_storage_id=after), limit=limit, ascending=True)
+        for rec in result.records:
+            cursors[user_key] = rec.storage_id
+            obs = rec.asset_observation
+            meta = obs.metadata if obs is not None else {}
+            if meta.get("checkpoint_key") is None or meta.get("checkpoint_path") is None:
+                continue
+            key = str(meta["checkpoint_key"].value)
+            kind = str(meta["kind"].value) if meta.get("kind") is not None else "permanent"
+            if kind not in kinds:
+                continue
+            for name in experiments:
+                parts = checkpoints_partitions(name).name if name else "checkpoints"
+                if key in adds.get(parts, []) or instance.has_dynamic_partition(parts, key):
+                    continue
+                adds.setdefault(parts, []).append(key)
+                requests.append(dg.RunRequest(
+                    run_key=f"{name}:{key}" if name else key, partition_key=key,
+                    job_name=eval_job_name(name) if name else None,
+                    tags={CHECKPOINT_TAG: str(meta["checkpoint_path"].value), **({EXPERIMENT_TAG: name} if name else {})}))
     return dg.SensorResult(
         run_requests=requests,
-        dynamic_partitions_requests=[CHECKPOINTS.build_add_request(new_keys)] if new_keys else [],
-        cursor=str(last) if last is not None else cursor,
+        dynamic_partitions_requests=[dg.AddDynamicPartitionsRequest(parts, keys) for parts, keys in adds.items()],
+        cursor=json.dumps(cursors, sort_keys=True) if cursors else cursor,
     )
 
 
@@ -435,25 +615,80 @@ def latest_checkpoint_keys(keys: list[str], max_runs: int = 5) -> list[str]:
     return [latest[fp][1] for fp in order[-max_runs:]]
 
 
-def build_automation(eval_job) -> tuple[list, list]:
-    @dg.sensor(name="new_checkpoint_sensor", target=eval_job, minimum_interval_seconds=30,
+def reevaluation_schedule_name(experiment: str) -> str:
+    return f"reevaluate_{experiment}"
+
+
+def reevaluation_requests(instance: dg.DagsterInstance, experiments: Sequence[str], tick: str,
+                          max_runs: int = 5) -> list[dg.RunRequest]:
+    """Per experiment, a run request re-evaluating the latest checkpoint of each of its most
+    recent runs; run keys ``<experiment>:<partition>@<tick>`` (one per checkpoint per tick)."""
+    out = []
+    for name in experiments:
+        keys = latest_checkpoint_keys(list(instance.get_dynamic_partitions(checkpoints_partitions(name).name)), max_runs)
+        out += [dg.RunRequest(run_key=f"{name}:{k}@{tick}", partition_key=k, job_name=eval_job_name(name),
+                              tags={"lm_pipeline/reason": "scheduled re-evaluation", EXPERIMENT_TAG: name})
+                for k in keys]
+    return out
+
+
+def comparison_request(instance: dg.DagsterInstance, dep: Deployment, cursor: str | None) -> dg.SensorResult:
+    """A run of the comparison when any experiment's evaluation (final or per checkpoint) has a new
+    materialization since the cursor (the newest storage id seen)."""
+    keys = sorted({dep.key(n, "eval_report") for n in dep.experiments} | {dep.checkpoint_eval_key(n) for n in dep.experiments},
+                  key=lambda k: k.to_user_string())
+    after = int(cursor) if cursor else 0
+    newest = after
+    for key in keys:
+        recs = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, after_storage_id=after or None),
+                                               limit=1, ascending=False).records
+        if recs:
+            newest = max(newest, recs[0].storage_id)
+    if newest == after:
+        return dg.SensorResult(skip_reason="no new evaluation since the last comparison", cursor=cursor)
+    return dg.SensorResult(run_requests=[dg.RunRequest(run_key=f"comparison@{newest}")], cursor=str(newest))
+
+
+def build_automation(dep: Deployment, eval_jobs: Mapping[str, Any], compare_job, observe_job) -> tuple[list, list]:
+    train_keys = dep.train_keys()
+
+    @dg.sensor(name="new_checkpoint_sensor", jobs=list(eval_jobs.values()), minimum_interval_seconds=30,
                default_status=dg.DefaultSensorStatus.RUNNING,
-               description="Requests checkpoint_eval for each new complete (permanent) checkpoint reported by "
-                           "train_ckpt, exactly once, also while the run is still training.")
+               description="Requests <experiment>/checkpoint_eval for each new complete (permanent) checkpoint "
+                           "reported by a training asset, exactly once per experiment, also while it trains.")
     def new_checkpoint_sensor(context: dg.SensorEvaluationContext):
-        return checkpoint_requests(context.instance, context.cursor)
+        return checkpoint_requests(context.instance, context.cursor, train_keys=train_keys)
 
-    @dg.schedule(name="reevaluate_latest_checkpoints", cron_schedule="0 3 * * *", target=eval_job,
-                 default_status=dg.DefaultScheduleStatus.STOPPED,
-                 description="Re-evaluates the latest checkpoint of the most recent runs (a cache hit unless the "
-                             "evaluation settings or code changed).")
-    def reevaluate_latest_checkpoints(context: dg.ScheduleEvaluationContext):
-        keys = latest_checkpoint_keys(list(context.instance.get_dynamic_partitions(CHECKPOINTS.name)))
-        if not keys:
-            return dg.SkipReason("no checkpoint has been reported yet")
-        return [dg.RunRequest(partition_key=k, tags={"lm_pipeline/reason": "scheduled re-evaluation"}) for k in keys]
+    @dg.sensor(name="comparison_sensor", target=compare_job, minimum_interval_seconds=30,
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description="Refreshes experiments/comparison when an evaluation lands.")
+    def comparison_sensor(context: dg.SensorEvaluationContext):
+        return comparison_request(context.instance, dep, context.cursor)
 
-    return [new_checkpoint_sensor], [reevaluate_latest_checkpoints]
+    @dg.schedule(name="observe_data_sources", cron_schedule="*/15 * * * *", target=observe_job,
+                 default_status=dg.DefaultScheduleStatus.RUNNING,
+                 description="Observes every data source (hashes the shards) so an edit to the data shows the "
+                             "stages built from it as stale. On demand: the UI's 'Observe sources', or "
+                             "the observe_data_sources job.")
+    def observe_data_sources(context: dg.ScheduleEvaluationContext):
+        return dg.RunRequest(run_key=f"observe@{context.scheduled_execution_time.isoformat()}")
+
+    def reevaluate(name: str, job):
+        @dg.schedule(name=reevaluation_schedule_name(name), cron_schedule="0 3 * * *", target=job,
+                     default_status=dg.DefaultScheduleStatus.RUNNING,
+                     description=f"Re-evaluates the latest checkpoint of {name}'s most recent runs (a cache hit "
+                                 "unless the evaluation settings or code changed).")
+        def _schedule(context: dg.ScheduleEvaluationContext):
+            tick = context.scheduled_execution_time.strftime("%Y-%m-%dT%H:%M")
+            requests = reevaluation_requests(context.instance, [name], tick)
+            if not requests:
+                return dg.SkipReason(f"no checkpoint of {name} has been reported yet")
+            return requests
+
+        return _schedule
+
+    return ([new_checkpoint_sensor, comparison_sensor],
+            [observe_data_sources, *(reevaluate(name, job) for name, job in eval_jobs.items())])
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,9 +696,10 @@ def build_automation(eval_job) -> tuple[list, list]:
 # --------------------------------------------------------------------------------------------
 
 
-def default_resources(exp: Experiment) -> dict[str, Any]:
+def default_resources(exp: Experiment | Deployment) -> dict[str, Any]:
+    root = exp.store_root if isinstance(exp, Experiment) else next(iter(exp.experiments.values())).store_root
     return {
-        "store": ArtifactStoreResource(root=exp.store_root),
+        "store": ArtifactStoreResource(root=root),
         "training": TrainingLauncherResource.from_env(),
         "jax_runtime": JaxRuntimeResource(),
         "tracking": TrackingResource(),
@@ -477,18 +713,49 @@ def default_executor(preload: tuple[str, ...] = ("assets._preload", "assets.defi
         {"start_method": {"forkserver": {"preload_modules": list(preload)}}}, name="lm_pipeline_multiprocess")
 
 
-def build_definitions(experiment: Experiment | None = None, *, resources: Mapping[str, Any] | None = None,
-                      executor: Any = "default") -> dg.Definitions:
-    """The Definitions of one experiment (by default the one named by the environment)."""
-    exp = experiment or load_experiment()
-    assets = build_assets(exp)
-    pipeline_job = dg.define_asset_job(PIPELINE_JOB, selection=dg.AssetSelection.groups(GROUP),
-                                       description="Materialize the six lineage assets of the experiment.")
-    eval_job = dg.define_asset_job(EVAL_JOB, selection=dg.AssetSelection.assets("checkpoint_eval"),
-                                   partitions_def=CHECKPOINTS, description="Evaluate training checkpoints.")
-    sensors, schedules = build_automation(eval_job)
-    res = {**default_resources(exp), **(resources or {})}
+def lineage_selection(dep: Deployment, experiments: Sequence[str] | None = None) -> list[dg.AssetKey]:
+    """The data sources and lineage assets of ``experiments`` (default: all), shared ones once."""
+    names = list(experiments) if experiments is not None else list(dep.experiments)
+    keys: list[dg.AssetKey] = []
+    for name in names:
+        for k in (dep.source_key(name), *(dep.key(name, s) for s in dep.stages)):
+            if k not in keys:
+                keys.append(k)
+    return keys
+
+
+def build_definitions(experiments: Sequence[Experiment] | Experiment | None = None, *,
+                      resources: Mapping[str, Any] | None = None, executor: Any = "default") -> dg.Definitions:
+    """The Definitions of the deployment: every experiment (default: those of
+    :func:`assets.experiment.load_experiments`), one store shared by them."""
+    if isinstance(experiments, Experiment):
+        experiments = [experiments]
+    exps = list(experiments) if experiments is not None else load_experiments()
+    roots = {e.store_root for e in exps}
+    if len(roots) > 1:
+        raise ValueError(f"the experiments of one deployment share one store; got roots {sorted(roots)} "
+                         f"(set store.root alike in {', '.join(e.path for e in exps)})")
+    dep = Deployment(exps)
+    assets = build_assets(dep)
+    pipeline_job = dg.define_asset_job(
+        PIPELINE_JOB, selection=dg.AssetSelection.assets(*lineage_selection(dep), COMPARISON_KEY),
+        description="Observe the data, materialize every experiment's six lineage assets (shared ones once) "
+                    "and compare the experiments.")
+    per_experiment = [dg.define_asset_job(experiment_job_name(n), selection=dg.AssetSelection.assets(*lineage_selection(dep, [n])),
+                                          description=f"Observe the data and materialize the lineage of {n}.")
+                      for n in dep.experiments]
+    eval_jobs = {n: dg.define_asset_job(eval_job_name(n), selection=dg.AssetSelection.assets(dep.checkpoint_eval_key(n)),
+                                        partitions_def=checkpoints_partitions(n),
+                                        description=f"Evaluate checkpoints of {n}.")
+                 for n in dep.experiments}
+    compare_job = dg.define_asset_job(COMPARE_JOB, selection=dg.AssetSelection.assets(COMPARISON_KEY),
+                                      description="Compare every experiment's evaluation.")
+    observe_job = dg.define_asset_job(OBSERVE_JOB, selection=dg.AssetSelection.assets(*dep.sources),
+                                      description="Observe every data source (hash the shards).")
+    sensors, schedules = build_automation(dep, eval_jobs, compare_job, observe_job)
+    res = {**default_resources(dep), **(resources or {})}
     return dg.Definitions(
-        assets=assets, jobs=[pipeline_job, eval_job], sensors=sensors, schedules=schedules, resources=res,
+        assets=assets, jobs=[pipeline_job, *per_experiment, *eval_jobs.values(), compare_job, observe_job],
+        sensors=sensors, schedules=schedules, resources=res,
         executor=default_executor() if executor == "default" else executor,
     )

@@ -5,7 +5,9 @@ The orchestrating asset (``train_ckpt``) passes, as Pipes extras:
 * ``config``: the run config as YAML (the experiment, with the resources' non-semantic overrides);
 * ``store_root``: the artifact store root;
 * ``expected_fingerprint``: the ``train_ckpt`` fingerprint the orchestrator computed (the process
-  refuses to train anything else).
+  refuses to train anything else);
+* ``asset_key``: the training asset's key as a string (``<experiment>/train_ckpt`` or
+  ``shared/train_ckpt``; default ``train_ckpt``).
 
 While training, the process reports back through Pipes:
 
@@ -164,7 +166,7 @@ def main() -> int:
             res = pipe.train_ckpt(hooks=hooks)
         finally:
             watcher.stop()
-        pipes.report_asset_materialization(asset_key="train_ckpt", metadata=_metadata(res), data_version=res.fingerprint)
+        pipes.report_asset_materialization(asset_key=extras.get("asset_key") or "train_ckpt", metadata=_metadata(res), data_version=res.fingerprint)
     return 0
 
 

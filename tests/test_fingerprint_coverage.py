@@ -41,7 +41,7 @@ from lm_pipeline.store import ArtifactStore
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).with_name("golden_fingerprints.json")
-DEFAULT_EXPERIMENT = REPO / "configs" / "default.yaml"
+DEFAULT_EXPERIMENT = REPO / "configs" / "experiments" / "default.yaml"
 REGENERATE = "python tests/test_fingerprint_coverage.py --regenerate"
 
 # --------------------------------------------------------------------------------------------

@@ -95,3 +95,20 @@ def subprocess_env(tmp: Path, experiment: Path, *, overrides: str = "", mode: st
 
 def python() -> str:
     return sys.executable
+
+
+TINY_LLAMA = {"type": "llama", "seq_len": 32, "hidden_dim": 32, "intermediate_dim": 64, "num_heads": 2,
+              "num_kv_heads": 1, "num_layers": 1, "gradient_checkpointing": False}
+
+
+def write_experiments(tmp: Path, experiments: dict[str, dict[str, Any]] | None = None) -> Path:
+    """A folder of experiment files over the corpus of ``tmp/data`` and one store: by default
+    ``gpt`` (the tiny GPT-2) and ``llama`` (a tiny Llama), which share data and tokenizer.
+    ``experiments``: name -> sections updating :func:`tiny_config`."""
+    experiments = {"gpt": {}, "llama": {"model": TINY_LLAMA}} if experiments is None else experiments
+    folder = tmp / "experiments"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, sections in experiments.items():
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(tiny_config(tmp, **sections), sort_keys=False),
+                                             encoding="utf-8")
+    return folder
