@@ -160,6 +160,7 @@ def _train_with_pipes(context, asset: dg.AssetKey, pipe, fp: str, cfg, store: Ar
     from lm_pipeline.config import dump_config
 
     extras = {"config": dump_config(cfg), "store_root": store.root, "expected_fingerprint": fp,
+              "asset_key": asset.to_user_string(),
               "poll_seconds": training.poll_seconds, "attempt": context.retry_number}
     seen = 0
     t0 = time.perf_counter()

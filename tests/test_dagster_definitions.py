@@ -1,22 +1,34 @@
-"""The Dagster definitions without running the pipeline: assets and lineage, code versions from
-the experiment (env vars), jobs, the checkpoint sensor (exactly once, cursor) and the schedule."""
+"""The Dagster definitions without running the pipeline: experiments from files, shared stages,
+asset keys and lineage, code versions from the config, jobs, the checkpoint sensor (exactly
+once, cursor, per experiment) and the schedules evaluated by Dagster."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import dagster as dg
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import pipeline_testing as pt  # noqa: E402
 
-from assets.experiment import DEFAULT_EXPERIMENT, load_experiment, parse_override_text  # noqa: E402
+from assets.deployment import Deployment  # noqa: E402
+from assets.experiment import (  # noqa: E402
+    DEFAULT_EXPERIMENT,
+    EXPERIMENTS_DIR,
+    load_experiment,
+    load_experiments,
+    parse_override_text,
+)
 from assets.pipeline import (  # noqa: E402
     CHECKPOINT_TAG,
-    CHECKPOINTS,
+    EVALUATION_POOL,
     LINEAGE,
+    TRAINING_POOL,
     build_definitions,
     checkpoint_key,
     checkpoint_requests,
@@ -27,7 +39,6 @@ from assets.pipeline import (  # noqa: E402
 EDGES = {
     "raw_shards": set(), "tokenizer": {"raw_shards"}, "token_cache": {"raw_shards", "tokenizer"},
     "train_ckpt": {"token_cache"}, "eval_report": {"train_ckpt", "token_cache"}, "hf_export": {"train_ckpt"},
-    "checkpoint_eval": {"train_ckpt"},
 }
 
 
@@ -40,33 +51,94 @@ def _graph(defs: dg.Definitions):
     return defs.resolve_asset_graph()
 
 
-def test_six_lineage_assets_and_checkpoint_evals(experiment):
+def _keys(defs: dg.Definitions) -> set[str]:
+    return {k.to_user_string() for k in _graph(defs).get_all_asset_keys()}
+
+
+def _parents(graph, key: str) -> set[str]:
+    return {p.to_user_string() for p in graph.get(dg.AssetKey.from_user_string(key)).parent_keys}
+
+
+def test_one_experiment_is_its_lineage_its_evaluations_and_the_comparison(experiment):
     defs = build_definitions(experiment)
     graph = _graph(defs)
-    keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
-    assert keys == set(LINEAGE) | {"checkpoint_eval"}
-    for key, parents in EDGES.items():
-        assert {p.to_user_string() for p in graph.get(dg.AssetKey(key)).parent_keys} == parents, key
-    assert {graph.get(dg.AssetKey(k)).group_name for k in LINEAGE} == {"pipeline"}
-    assert graph.get(dg.AssetKey("checkpoint_eval")).partitions_def == CHECKPOINTS
-    assert all(graph.get(dg.AssetKey(k)).partitions_def is None for k in LINEAGE)
-    # the named job holds exactly the six (the CLI cannot mix in the partitioned asset)
+    assert _keys(defs) == {f"tiny/{s}" for s in LINEAGE} | {"tiny/data_sources", "tiny/checkpoint_eval",
+                                                             "experiments/comparison"}
+    for stage, parents in EDGES.items():
+        # every stage reads its upstream stages and (its address covers it) the data's content
+        assert _parents(graph, f"tiny/{stage}") == {f"tiny/{p}" for p in parents} | {"tiny/data_sources"}, stage
+    assert _parents(graph, "tiny/checkpoint_eval") == {"tiny/train_ckpt"}
+    assert _parents(graph, "experiments/comparison") == {"tiny/eval_report"}
+    assert graph.get(dg.AssetKey(["tiny", "data_sources"])).is_observable
+    assert {graph.get(dg.AssetKey(["tiny", s])).group_name for s in LINEAGE} == {"tiny"}
+    assert graph.get(dg.AssetKey(["tiny", "checkpoint_eval"])).partitions_def.name == "checkpoints_tiny"
+    assert all(graph.get(dg.AssetKey(["tiny", k])).partitions_def is None for k in LINEAGE)
+    # the main job: the data observed, the six, the comparison (never the partitioned evaluations)
     job = defs.resolve_job_def("pipeline")
-    assert {k.to_user_string() for k in job.asset_layer.selected_asset_keys} == set(LINEAGE)
+    assert {k.to_user_string() for k in job.asset_layer.selected_asset_keys} == (
+        {f"tiny/{s}" for s in LINEAGE} | {"tiny/data_sources", "experiments/comparison"})
     assert defs.resolve_sensor_def("new_checkpoint_sensor") is not None
-    assert defs.resolve_schedule_def("reevaluate_latest_checkpoints") is not None
-    retry = graph.get(dg.AssetKey("train_ckpt")).assets_def.op.retry_policy
-    assert retry is not None and retry.max_retries >= 1
+    assert defs.resolve_schedule_def("reevaluate_tiny").default_status == dg.DefaultScheduleStatus.RUNNING
+    train = graph.get(dg.AssetKey(["tiny", "train_ckpt"])).assets_def
+    assert train.op.retry_policy is not None and train.op.retry_policy.max_retries >= 1
+    assert train.op.pool == TRAINING_POOL
+    assert graph.get(dg.AssetKey(["tiny", "checkpoint_eval"])).assets_def.op.pool == EVALUATION_POOL
+
+
+def test_two_experiments_share_the_stages_they_have_in_common(tmp_path):
+    exps = load_experiments(pt.write_experiments(tmp_path), overrides=[])
+    defs = build_definitions(exps)
+    graph = _graph(defs)
+    shared = {"shared/data_sources", "shared/raw_shards", "shared/tokenizer", "shared/token_cache"}
+    own = {f"{e}/{s}" for e in ("gpt", "llama") for s in ("train_ckpt", "eval_report", "hf_export", "checkpoint_eval")}
+    assert _keys(defs) == shared | own | {"experiments/comparison"}
+    for e in ("gpt", "llama"):
+        assert _parents(graph, f"{e}/train_ckpt") == {"shared/token_cache", "shared/data_sources"}
+        assert graph.get(dg.AssetKey([e, "train_ckpt"])).group_name == e
+    assert graph.get(dg.AssetKey(["shared", "tokenizer"])).group_name == "shared"
+    # one asset, one version: the stage's config version is the same in both experiments
+    for stage in ("raw_shards", "tokenizer", "token_cache"):
+        versions = {e.pipeline().config_version(stage) for e in exps}
+        assert versions == {graph.get(dg.AssetKey(["shared", stage])).code_version}
+    assert exps[0].pipeline().config_version("train_ckpt") != exps[1].pipeline().config_version("train_ckpt")
+    assert _parents(graph, "experiments/comparison") == {"gpt/eval_report", "llama/eval_report"}
+    jobs = {j.name: {k.to_user_string() for k in j.asset_layer.selected_asset_keys} for j in defs.resolve_all_job_defs()
+            if not j.name.startswith("__")}
+    assert jobs["pipeline_llama"] == shared | {"llama/train_ckpt", "llama/eval_report", "llama/hf_export"}
+    assert jobs["pipeline"] == (jobs["pipeline_gpt"] | jobs["pipeline_llama"] | {"experiments/comparison"})
+    assert jobs["evaluate_gpt"] == {"gpt/checkpoint_eval"} and jobs["observe_data_sources"] == {"shared/data_sources"}
+
+
+def test_an_edit_that_makes_experiments_differ_gives_each_its_own_asset(tmp_path):
+    # llama with its own vocabulary: the raw shards stay shared, the tokenizer (and all below) split
+    folder = pt.write_experiments(tmp_path, {"gpt": {}, "llama": {"model": pt.TINY_LLAMA, "data": {
+        **pt.tiny_config(tmp_path)["data"], "tokenizer": {"kind": "bpe", "vocab_size": 320}}}})
+    keys = _keys(build_definitions(load_experiments(folder, overrides=[])))
+    assert {"shared/raw_shards", "gpt/tokenizer", "llama/tokenizer", "gpt/token_cache", "llama/token_cache"} <= keys
+    assert "shared/tokenizer" not in keys
+    # two different sharing groups of one stage are told apart by their experiments
+    other = tmp_path / "other"
+    pt.write_corpus(other / "data", num_train=2)
+    cfgs = {n: pt.tiny_config(tmp_path) for n in ("a", "b")}
+    cfgs.update({n: pt.tiny_config(other) | {"store": {"root": str(tmp_path / "store")}} for n in ("c", "d")})
+    folder2 = tmp_path / "four"
+    folder2.mkdir()
+    for n, c in cfgs.items():
+        (folder2 / f"{n}.yaml").write_text(yaml.safe_dump(c), encoding="utf-8")
+    dep = Deployment(load_experiments(folder2, overrides=[]))
+    assert dep.key("a", "raw_shards").to_user_string() == "shared/raw_shards_a_b"
+    assert dep.key("d", "raw_shards").to_user_string() == "shared/raw_shards_c_d"
+    assert dep.source_key("c").to_user_string() == "shared/data_sources_c_d"
 
 
 def test_code_versions_follow_the_semantic_config(experiment, tmp_path):
-    base = {k: _graph(build_definitions(experiment)).get(dg.AssetKey(k)).code_version for k in LINEAGE}
+    base = {k: _graph(build_definitions(experiment)).get(dg.AssetKey(["tiny", k])).code_version for k in LINEAGE}
     assert base == experiment.pipeline().config_versions()
 
     def versions(overrides: str) -> dict[str, str]:
         exp = load_experiment(experiment.path, overrides=overrides)
         g = _graph(build_definitions(exp))
-        return {k: g.get(dg.AssetKey(k)).code_version for k in LINEAGE}
+        return {k: g.get(dg.AssetKey(["tiny", k])).code_version for k in LINEAGE}
 
     def changed(v):
         return {k for k in LINEAGE if v[k] != base[k]}
@@ -76,22 +148,42 @@ def test_code_versions_follow_the_semantic_config(experiment, tmp_path):
     assert changed(versions("trainer.log_every=1 data.num_workers=2 trainer.tracker=[]")) == set()
 
 
-def test_experiment_and_overrides_come_from_the_environment(tmp_path, monkeypatch):
-    path = pt.write_config(tmp_path)
-    monkeypatch.setenv("LM_PIPELINE_EXPERIMENT", str(path))
+def test_experiments_come_from_files_and_the_environment(tmp_path, monkeypatch):
+    folder = pt.write_experiments(tmp_path)
+    monkeypatch.setenv("LM_PIPELINE_EXPERIMENTS_DIR", str(folder))
     monkeypatch.setenv("LM_PIPELINE_OVERRIDES", "model.num_layers=2 optimizer.learning_rate=1e-3 'data.tokenizer.special_tokens=[\"<eos>\"]'")
-    exp = load_experiment()
-    assert exp.path == str(path)
-    assert exp.cfg.model.num_layers == 2 and exp.cfg.optimizer.learning_rate == 1e-3
-    assert exp.cfg.data.tokenizer.special_tokens == ("<eos>",)
-    assert exp.store_root == str(tmp_path / "store")
-    monkeypatch.delenv("LM_PIPELINE_EXPERIMENT")
-    monkeypatch.delenv("LM_PIPELINE_OVERRIDES")
-    default = load_experiment()
-    assert default.path == str(DEFAULT_EXPERIMENT) and default.cfg.data.builtin == "python_stdlib"
-    assert Path(default.store_root).is_absolute()
+    exps = load_experiments()
+    assert [e.name for e in exps] == ["gpt", "llama"]
+    for exp in exps:  # the overrides apply to every experiment
+        assert exp.cfg.model.num_layers == 2 and exp.cfg.optimizer.learning_rate == 1e-3
+        assert exp.cfg.data.tokenizer.special_tokens == ("<eos>",)
+        assert exp.store_root == str(tmp_path / "store")
+    single = pt.write_config(tmp_path)
+    monkeypatch.setenv("LM_PIPELINE_EXPERIMENT", str(single))  # one file only
+    assert [e.path for e in load_experiments()] == [str(single)]
+    for var in ("LM_PIPELINE_EXPERIMENT", "LM_PIPELINE_OVERRIDES", "LM_PIPELINE_EXPERIMENTS_DIR"):
+        monkeypatch.delenv(var)
+    default = load_experiments()
+    assert [e.name for e in default] == sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))
+    assert len(default) >= 2 and all(e.cfg.data.builtin == "python_stdlib" for e in default)
+    assert all(Path(e.store_root).is_absolute() for e in default)
+    # the default experiments share their data and tokenizer
+    assert Deployment(default).key("default", "tokenizer").to_user_string() == "shared/tokenizer"
     with pytest.raises(ValueError, match="section.field=value"):
         parse_override_text("model.num_layers")
+
+
+def test_bad_experiment_files_fail_naming_the_file(tmp_path):
+    folder = pt.write_experiments(tmp_path, {"gpt": {}})
+    (folder / "gpt.yml").write_text((folder / "gpt.yaml").read_text())
+    with pytest.raises(ValueError, match=r"two experiments are named 'gpt'.*gpt\.yml"):
+        load_experiments(folder, overrides=[])
+    (folder / "gpt.yml").unlink()
+    (folder / "my-run.yaml").write_text((folder / "gpt.yaml").read_text())
+    with pytest.raises(ValueError, match=r"my-run\.yaml.*rename the file, e\.g\. to my_run\.yaml"):
+        load_experiments(folder, overrides=[])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_experiments(tmp_path / "nowhere", overrides=[])
 
 
 def test_default_experiment_is_small_and_needs_no_download():
@@ -102,17 +194,23 @@ def test_default_experiment_is_small_and_needs_no_download():
     assert cfg.data.shard_group_size == 1  # the fan-out has several groups to run in parallel
 
 
-def test_definitions_module_loads_the_env_experiment(tmp_path, monkeypatch):
+def test_a_new_experiment_file_shows_when_the_code_location_reloads(tmp_path, monkeypatch):
     import importlib
 
-    monkeypatch.setenv("LM_PIPELINE_EXPERIMENT", str(pt.write_config(tmp_path)))
+    folder = pt.write_experiments(tmp_path, {"gpt": {}})
+    monkeypatch.delenv("LM_PIPELINE_EXPERIMENT", raising=False)
+    monkeypatch.setenv("LM_PIPELINE_EXPERIMENTS_DIR", str(folder))
     monkeypatch.setenv("LM_PIPELINE_OVERRIDES", "trainer.num_train_steps=9")
     import assets.definitions as mod
 
     mod = importlib.reload(mod)
+    assert "llama/train_ckpt" not in _keys(mod.defs)
+    pt.write_experiments(tmp_path, {"llama": {"model": pt.TINY_LLAMA}})
+    mod = importlib.reload(mod)  # what the UI's "Reload" does: the module is loaded again
     g = mod.defs.resolve_asset_graph()
-    exp = load_experiment()
-    assert g.get(dg.AssetKey("train_ckpt")).code_version == exp.pipeline().config_version("train_ckpt")
+    assert {"gpt/train_ckpt", "llama/train_ckpt", "shared/tokenizer"} <= _keys(mod.defs)
+    exp = {e.name: e for e in load_experiments()}["llama"]
+    assert g.get(dg.AssetKey(["llama", "train_ckpt"])).code_version == exp.pipeline().config_version("train_ckpt")
     assert exp.cfg.trainer.num_train_steps == 9
 
 
@@ -121,13 +219,15 @@ def test_definitions_module_loads_the_env_experiment(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-def _report_checkpoint(instance: dg.DagsterInstance, fp: str, step: int, kind: str = "permanent") -> str:
+def _report_checkpoint(instance: dg.DagsterInstance, fp: str, step: int, kind: str = "permanent",
+                       asset: str = "train_ckpt") -> str:
     from assets.metadata import checkpoint_observation
 
     key = checkpoint_key(fp, step)
     c = {"step": step, "path": f"/runs/{fp}/step-{step}", "kind": kind}
     instance.report_runless_asset_event(dg.AssetObservation(
-        asset_key="train_ckpt", metadata=checkpoint_observation(c, run_fingerprint=fp, partition_key=key)))
+        asset_key=dg.AssetKey.from_user_string(asset),
+        metadata=checkpoint_observation(c, run_fingerprint=fp, partition_key=key)))
     return key
 
 
@@ -173,40 +273,89 @@ def test_sensor_requests_each_new_checkpoint_exactly_once():
     assert set(instance.get_dynamic_partitions("checkpoints")) == {k100, k200, k300, kb}
 
 
+def test_sensor_requests_per_experiment_including_a_shared_training(tmp_path):
+    instance = dg.DagsterInstance.ephemeral()
+    keys = {dg.AssetKey(["a", "train_ckpt"]): ["a"], dg.AssetKey(["shared", "train_ckpt"]): ["b", "c"]}
+    ka = _report_checkpoint(instance, "aaaa", 10, asset="a/train_ckpt")
+    ks = _report_checkpoint(instance, "ssss", 10, asset="shared/train_ckpt")
+    _report_checkpoint(instance, "zzzz", 10, asset="z/train_ckpt")  # not a training asset of this deployment
+    first = checkpoint_requests(instance, None, train_keys=keys)
+    got = sorted((r.job_name, r.partition_key, r.run_key, r.tags["lm_pipeline/experiment"]) for r in first.run_requests)
+    assert got == [("evaluate_a", ka, f"a:{ka}", "a"), ("evaluate_b", ks, f"b:{ks}", "b"),
+                   ("evaluate_c", ks, f"c:{ks}", "c")]
+    assert {r.partitions_def_name: list(r.partition_keys) for r in first.dynamic_partitions_requests} == {
+        "checkpoints_a": [ka], "checkpoints_b": [ks], "checkpoints_c": [ks]}
+    _apply(instance, first)
+    assert checkpoint_requests(instance, first.cursor, train_keys=keys).run_requests == []
+    assert checkpoint_requests(instance, None, train_keys=keys).run_requests == []  # the partitions exist
+    k2 = _report_checkpoint(instance, "aaaa", 20, asset="a/train_ckpt")
+    assert [r.partition_key for r in checkpoint_requests(instance, first.cursor, train_keys=keys).run_requests] == [k2]
+
+
 def test_sensor_definition_evaluates_with_a_cursor(experiment):
     defs = build_definitions(experiment)
     sensor = defs.resolve_sensor_def("new_checkpoint_sensor")
     instance = dg.DagsterInstance.ephemeral()
-    key = _report_checkpoint(instance, "cccc", 3)
+    key = _report_checkpoint(instance, "cccc", 3, asset="tiny/train_ckpt")
     ctx = dg.build_sensor_context(instance=instance, definitions=defs)
     result = sensor(ctx)
-    assert [r.partition_key for r in result.run_requests] == [key]
+    assert [(r.partition_key, r.job_name) for r in result.run_requests] == [(key, "evaluate_tiny")]
     _apply(instance, result)
     ctx = dg.build_sensor_context(instance=instance, cursor=result.cursor, definitions=defs)
     assert sensor(ctx).run_requests == []
 
 
-def test_schedule_reevaluates_the_latest_checkpoint_of_each_run(experiment):
+def test_latest_checkpoint_of_each_run():
     keys = [checkpoint_key("aaaa", 100), checkpoint_key("aaaa", 300), checkpoint_key("aaaa", 200),
             checkpoint_key("bbbb", 50)]
     assert latest_checkpoint_keys(keys) == [checkpoint_key("aaaa", 300), checkpoint_key("bbbb", 50)]
-    defs = build_definitions(experiment)
-    schedule = defs.resolve_schedule_def("reevaluate_latest_checkpoints")
-    with dg.instance_for_test() as instance:
-        empty = schedule(dg.build_schedule_context(instance=instance))
-        assert isinstance(empty, dg.SkipReason)
-        instance.add_dynamic_partitions("checkpoints", keys)
-        requests = schedule(dg.build_schedule_context(instance=instance))
-    assert sorted(r.partition_key for r in requests) == sorted([checkpoint_key("aaaa", 300), checkpoint_key("bbbb", 50)])
-    assert all(r.run_key is None for r in requests)  # re-evaluation: runs every time (a cache hit if unchanged)
+
+
+def test_reevaluation_schedule_ticks_green_in_dagsters_scheduler_with_three_runs(tmp_path, monkeypatch):
+    """The schedules as the scheduler daemon runs them: the code location loaded in its own code
+    server, a tick before and one after 03:00, runs created through the instance's queue (queued,
+    not launched: no run is executed here). Dagster checks the run keys of a tick itself."""
+    import datetime
+    import logging
+
+    from dagster._core.scheduler.instigation import TickStatus
+    from dagster._core.test_utils import create_test_daemon_workspace_context, freeze_time, instance_for_test
+    from dagster._core.workspace.load_target import ModuleTarget
+    from dagster._scheduler.scheduler import launch_scheduled_runs
+
+    folder = pt.write_experiments(tmp_path, {"gpt": {}})
+    monkeypatch.setenv("LM_PIPELINE_EXPERIMENTS_DIR", str(folder))
+    monkeypatch.delenv("LM_PIPELINE_EXPERIMENT", raising=False)
+    monkeypatch.setenv("LM_PIPELINE_OVERRIDES", "")
+    runs = {fp: [checkpoint_key(fp, s) for s in (3, 6)] for fp in ("aaaa", "bbbb", "cccc")}
+    queued = {"run_coordinator": {"module": "dagster._core.run_coordinator", "class": "QueuedRunCoordinator"}}
+    with instance_for_test(overrides=queued) as instance:
+        instance.add_dynamic_partitions("checkpoints_gpt", [k for ks in runs.values() for k in ks])
+        target = ModuleTarget(module_name="assets.definitions", attribute=None, working_directory=str(pt.REPO),
+                              location_name="lm_pipeline")
+        with create_test_daemon_workspace_context(target, instance) as ctx:
+            for t in (datetime.datetime(2026, 11, 24, 2, 59, tzinfo=datetime.UTC),
+                      datetime.datetime(2026, 11, 24, 3, 0, 30, tzinfo=datetime.UTC)):
+                with freeze_time(t):
+                    list(launch_scheduled_runs(ctx, logging.getLogger("scheduler"), t, {}))
+            ticks = {st.instigator_name: instance.get_ticks(st.instigator_origin_id, st.selector_id)
+                     for st in instance.all_instigator_state()}
+            got = sorted((r.job_name, r.tags.get("dagster/partition")) for r in instance.get_runs())
+    reeval = ticks["reevaluate_gpt"]
+    assert [t.status for t in reeval] == [TickStatus.SUCCESS], [t.error for t in reeval]
+    assert sorted(reeval[0].run_keys) == [f"gpt:{checkpoint_key(fp, 6)}@2026-11-24T03:00" for fp in runs]
+    assert ("evaluate_gpt", checkpoint_key("aaaa", 3)) not in got  # the latest checkpoint of each run only
+    assert [g for g in got if g[0] == "evaluate_gpt"] == [("evaluate_gpt", checkpoint_key(fp, 6)) for fp in runs]
+    assert [t.status for t in ticks["observe_data_sources"]] == [TickStatus.SUCCESS]
+    assert ("observe_data_sources", None) in got
 
 
 def test_python_m_assets_maps_to_dagster_commands(tmp_path, monkeypatch):
     from assets import __main__ as cli
 
     assert cli.dagster_args(["materialize"]) == ["job", "execute", "-m", "assets.definitions", "-j", "pipeline"]
-    assert cli.dagster_args(["materialize", "--select", "train_ckpt"]) == [
-        "asset", "materialize", "-m", "assets.definitions", "--select", "train_ckpt"]
+    assert cli.dagster_args(["materialize", "--select", "default/train_ckpt"]) == [
+        "asset", "materialize", "-m", "assets.definitions", "--select", "default/train_ckpt"]
     assert cli.dagster_args(["dev", "-p", "3001"]) == ["dev", "-m", "assets.definitions", "-p", "3001"]
     env = {"DAGSTER_HOME": str(tmp_path / "home")}
     home = cli.ensure_home(env)
