@@ -258,10 +258,10 @@ def _verify_inputs(context, dep: Deployment, node: Node, pipe) -> dict[str, str]
     The data source: its current version is recorded as an observation when Dagster's latest one
     differs (the data changed since it was last observed), so the materialization's provenance
     names the data actually read. Upstream stages: the latest materialization of each upstream
-    asset must be the artifact this stage reads; an upstream artifact that is complete in the
-    store but not Dagster's latest (built from the command line, or before a config edit was
-    reverted) is recorded as a materialization (a cache hit), and a missing one fails in one line
-    naming what to materialize first. Returns the input fingerprints used, by upstream stage."""
+    asset must be the artifact this stage reads (Dagster records that one as the input), else the
+    step fails in one line naming what to materialize first -- also when the artifact is complete
+    in the store (built from the command line, or before a reverted edit): materializing it is
+    then a cache hit. Returns the input fingerprints used, by upstream stage."""
     instance = context.instance
     src = dep.source_key(node.owner.name)
     version, shards = source_version(pipe)
@@ -275,16 +275,11 @@ def _verify_inputs(context, dep: Deployment, node: Node, pipe) -> dict[str, str]
         used[up] = want
         if _latest_version(instance, key) == want:
             continue
-        hit = pipe.cached(up)
-        if hit is None:
-            what = key.to_user_string()
-            raise dg.Failure(f"{node.key.to_user_string()} reads {up} {want}, which is not built: materialize "
-                             f"{what} first (e.g. --select '+{node.key.to_user_string()}', or the "
-                             f"'{experiment_job_name(node.owner.name)}' job)")
-        meta = METADATA[up](hit)
-        meta["recorded_by"] = dg.MetadataValue.text(f"{node.key.to_user_string()} (complete in the store, not yet "
-                                                    "recorded by Dagster)")
-        context.log_event(dg.AssetMaterialization(asset_key=key, metadata=meta, tags={"dagster/data_version": want}))
+        what, me = key.to_user_string(), node.key.to_user_string()
+        state = ("complete in the store (a cache hit) but not recorded by Dagster" if pipe.cached(up) is not None
+                 else "not built")
+        raise dg.Failure(f"{me} reads {up} {want}, which is {state}: materialize {what} first (e.g. --select "
+                         f"'+{me}', or the '{experiment_job_name(node.owner.name)}' job)", allow_retries=False)
     return used
 
 

@@ -16,6 +16,7 @@ from dagster._core.loader import LoadingContextForTest
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import pipeline_testing as pt  # noqa: E402
 
+from assets.deployment import Deployment  # noqa: E402
 from assets.experiment import load_experiment  # noqa: E402
 from assets.pipeline import (  # noqa: E402
     CHECKPOINT_TAG,
@@ -25,7 +26,15 @@ from assets.pipeline import (  # noqa: E402
     checkpoint_key,
     checkpoint_requests,
     default_resources,
+    lineage_selection,
 )
+
+NAME = "tiny"  # the experiment of pt.write_config (tiny.yaml): its assets are tiny/<stage>
+TRAIN_KEYS = {dg.AssetKey([NAME, "train_ckpt"]): [NAME]}
+
+
+def K(stage: str) -> dg.AssetKey:
+    return dg.AssetKey([NAME, stage])
 from resources import TrainingLauncherResource  # noqa: E402
 
 
@@ -42,12 +51,13 @@ class Harness:
 
     def materialize(self, overrides: str = "", selection=None, **kw) -> dg.ExecuteInMemoryResult:
         exp = self.experiment(overrides)
+        dep = Deployment([exp])
         resources = {**default_resources(exp), "training": TrainingLauncherResource(mode=self.mode, poll_seconds=0.2)}
-        return dg.materialize(build_assets(exp), selection=selection or list(LINEAGE), resources=resources,
-                              instance=self.instance, **kw)
+        keys = [K(s) for s in selection] if selection else lineage_selection(dep)
+        return dg.materialize(build_assets(dep), selection=keys, resources=resources, instance=self.instance, **kw)
 
     def latest(self, key: str) -> dg.AssetMaterialization:
-        return self.instance.get_latest_materialization_event(dg.AssetKey(key)).asset_materialization
+        return self.instance.get_latest_materialization_event(K(key)).asset_materialization
 
     def hits(self) -> dict[str, bool]:
         return {k: self.latest(k).metadata["cache_hit"].value for k in LINEAGE}
@@ -59,7 +69,7 @@ class Harness:
         """Staleness as the UI shows it once the definitions reload with ``overrides``."""
         graph = build_definitions(self.experiment(overrides)).resolve_asset_graph()
         resolver = CachingStaleStatusResolver(self.instance, graph, LoadingContextForTest(self.instance))
-        return {k: resolver.get_status(dg.AssetKey(k)) for k in LINEAGE}
+        return {k: resolver.get_status(K(k)) for k in LINEAGE}
 
     def expected_fingerprints(self, overrides: str = "") -> dict[str, str]:
         p = self.experiment(overrides).pipeline()
@@ -70,8 +80,8 @@ FRESH = dict.fromkeys(LINEAGE, StaleStatus.FRESH)
 
 
 def _observed_checkpoints(instance: dg.DagsterInstance) -> list[str]:
-    records = instance.fetch_observations(dg.AssetKey("train_ckpt"), limit=100, ascending=True).records
-    return [r.asset_observation.metadata["checkpoint_key"].value for r in records]
+    records = instance.fetch_observations(K("train_ckpt"), limit=100, ascending=True).records
+    return [r.asset_observation.metadata["checkpoint_key"].value for r in records if r.asset_observation.metadata]
 
 
 def test_materialize_everything_through_pipes_then_nothing_to_do(tmp_path):
@@ -114,7 +124,7 @@ def test_materialize_everything_through_pipes_then_nothing_to_do(tmp_path):
     assert any("checkpoint step 3 (permanent) complete" in m for m in messages)
     keys = [checkpoint_key(fps["train_ckpt"], s) for s in (3, 6)]
     assert sorted(set(_observed_checkpoints(h.instance))) == keys
-    requests = checkpoint_requests(h.instance, None)
+    requests = checkpoint_requests(h.instance, None, train_keys=TRAIN_KEYS)
     assert [r.partition_key for r in requests.run_requests] == keys
 
     # again, nothing changed: no tokenizing or training, every asset a hit, same data versions
@@ -126,7 +136,8 @@ def test_materialize_everything_through_pipes_then_nothing_to_do(tmp_path):
     assert h.data_versions() == fps and h.stale() == FRESH
     assert elapsed < 15, f"a fully cached materialization took {elapsed:.1f}s"
     assert sorted(p.name for p in Path(train["path"].value).glob("step-*")) == steps
-    assert not [e for e in again.all_events if e.event_type_value == "ASSET_OBSERVATION"]  # no training ran
+    assert not [e for e in again.all_events if e.event_type_value == "ASSET_OBSERVATION"
+                and e.asset_key == K("train_ckpt")]  # no training ran (no checkpoint reported)
 
     # a log cadence is not semantic: nothing is stale, everything is a hit
     assert h.stale("trainer.log_every=1 trainer.steps_per_eval=2") == FRESH
@@ -171,25 +182,25 @@ def test_checkpoint_eval_partition_evaluates_one_checkpoint(tmp_path):
     """The sensor's request for an intermediate checkpoint materializes its evaluation."""
     h = Harness(tmp_path, dg.DagsterInstance.ephemeral(), mode="in_process")
     assert h.materialize(selection=["raw_shards", "tokenizer", "token_cache", "train_ckpt"]).success
-    result = checkpoint_requests(h.instance, None)
+    result = checkpoint_requests(h.instance, None, train_keys=TRAIN_KEYS)
     keys = [r.partition_key for r in result.run_requests]
     fp = h.expected_fingerprints()["train_ckpt"]
     assert keys == [checkpoint_key(fp, 3), checkpoint_key(fp, 6)]  # in-process runs report them too
-    h.instance.add_dynamic_partitions("checkpoints", keys)
+    h.instance.add_dynamic_partitions(f"checkpoints_{NAME}", keys)
     req = result.run_requests[0]
     exp = h.experiment()
-    run = dg.materialize(build_assets(exp), selection=["checkpoint_eval"], partition_key=req.partition_key,
+    run = dg.materialize(build_assets(Deployment([exp])), selection=[K("checkpoint_eval")], partition_key=req.partition_key,
                          tags=req.tags, resources=default_resources(exp), instance=h.instance)
     assert run.success
-    m = h.instance.get_latest_materialization_event(dg.AssetKey("checkpoint_eval")).asset_materialization
+    m = h.instance.get_latest_materialization_event(K("checkpoint_eval")).asset_materialization
     assert m.partition == keys[0]
     assert m.metadata["step"].value == 3 and m.metadata["checkpoint"].value == req.tags[CHECKPOINT_TAG]
     assert m.metadata["cache_hit"].value is False and m.metadata["loss"].value > 0
     # the final checkpoint's evaluation is the same artifact as eval_report's
-    last = dg.materialize(build_assets(exp), selection=["checkpoint_eval"], partition_key=keys[1],
+    last = dg.materialize(build_assets(Deployment([exp])), selection=[K("checkpoint_eval")], partition_key=keys[1],
                           resources=default_resources(exp), instance=h.instance)
     assert last.success
-    m = h.instance.get_latest_materialization_event(dg.AssetKey("checkpoint_eval")).asset_materialization
+    m = h.instance.get_latest_materialization_event(K("checkpoint_eval")).asset_materialization
     assert m.tags["dagster/data_version"] == exp.pipeline().address("eval_report").fingerprint
 
 

@@ -1,0 +1,227 @@
+"""Two experiments in one deployment, through Dagster's instance: the stages they share
+materialize once; per kind of change (data content, tokenizer, model, optimizer, eval, log-only,
+revert) the stale set is the expected one for both; a stage whose upstream is not what Dagster
+recorded never records a false lineage; the comparison shows both; all of it on PostgreSQL too."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import yaml
+from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
+from dagster._core.loader import LoadingContextForTest
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import pipeline_testing as pt  # noqa: E402
+
+from assets.deployment import COMPARISON_KEY, Deployment  # noqa: E402
+from assets.experiment import load_experiments  # noqa: E402
+from assets.pipeline import (  # noqa: E402
+    LINEAGE,
+    OBSERVE_JOB,
+    PIPELINE_JOB,
+    build_definitions,
+    checkpoint_key,
+)
+from resources import TrainingLauncherResource  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::dagster.BetaWarning")
+NAMES = ("gpt", "llama")
+SHARED = ("raw_shards", "tokenizer", "token_cache")
+OWN = ("train_ckpt", "eval_report", "hf_export")
+
+
+class Deployed:
+    """The two tiny experiments of ``pt.write_experiments`` over one Dagster instance."""
+
+    def __init__(self, tmp: Path, instance: dg.DagsterInstance):
+        self.tmp = tmp
+        self.folder = pt.write_experiments(tmp)
+        self.instance = instance
+
+    def defs(self, overrides: str = "") -> dg.Definitions:
+        exps = load_experiments(self.folder, overrides=overrides)
+        return build_definitions(exps, resources={"training": TrainingLauncherResource(mode="in_process", poll_seconds=0.2)},
+                                 executor=dg.in_process_executor)
+
+    def run(self, job: str = PIPELINE_JOB, overrides: str = "", **kw):
+        return self.defs(overrides).resolve_job_def(job).execute_in_process(instance=self.instance, **kw)
+
+    def dep(self, overrides: str = "") -> Deployment:
+        return Deployment(load_experiments(self.folder, overrides=overrides))
+
+    def stale(self, overrides: str = "") -> dict[str, StaleStatus]:
+        """``<experiment>/<stage>`` -> the status the UI shows once the definitions reload."""
+        dep = self.dep(overrides)
+        graph = self.defs(overrides).resolve_asset_graph()
+        resolver = CachingStaleStatusResolver(self.instance, graph, LoadingContextForTest(self.instance))
+        return {f"{n}/{s}": resolver.get_status(dep.key(n, s)) for n in NAMES for s in LINEAGE}
+
+    def edit(self, name: str, section: str, **values) -> str:
+        """Edit one experiment's file; returns its old text (to revert)."""
+        path = self.folder / f"{name}.yaml"
+        old = path.read_text()
+        cfg = yaml.safe_load(old)
+        cfg[section].update(values)
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return old
+
+
+def _expect(stale: set[str]) -> dict[str, StaleStatus]:
+    return {f"{n}/{s}": StaleStatus.STALE if f"{n}/{s}" in stale else StaleStatus.FRESH for n in NAMES for s in LINEAGE}
+
+
+def _both(*stages: str) -> set[str]:
+    return {f"{n}/{s}" for n in NAMES for s in stages}
+
+
+def _materializations(result) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for e in result.all_events:
+        if e.event_type_value == "ASSET_MATERIALIZATION":
+            out.setdefault(e.asset_key.to_user_string(), []).append(e.event_specific_data.materialization)
+    return out
+
+
+def test_two_experiments_share_stages_and_go_stale_exactly_as_the_plan_says(tmp_path):
+    d = Deployed(tmp_path, dg.DagsterInstance.ephemeral())
+    first = d.run()
+    assert first.success
+    mats = _materializations(first)
+    # the shared stages are built once (one materialization, not a hit), each experiment's own once
+    for stage in SHARED:
+        assert [m.metadata["cache_hit"].value for m in mats[f"shared/{stage}"]] == [False], stage
+        assert mats[f"shared/{stage}"][0].metadata["experiments"].value == "gpt, llama"
+    for n in NAMES:
+        for stage in OWN:
+            assert [m.metadata["cache_hit"].value for m in mats[f"{n}/{stage}"]] == [False]
+    assert mats["gpt/train_ckpt"][0].tags["dagster/data_version"] != mats["llama/train_ckpt"][0].tags["dagster/data_version"]
+    # provenance: the config of *that* artifact and the inputs it read, as Dagster recorded them
+    llama_train = mats["llama/train_ckpt"][0]
+    assert llama_train.metadata["semantic_config"].value["model"]["type"] == "llama"
+    cache_fp = mats["shared/token_cache"][0].tags["dagster/data_version"]
+    assert llama_train.metadata["input_fingerprints"].value["token_cache"] == cache_fp
+    assert llama_train.tags["dagster/input_data_version/shared/token_cache"] == cache_fp
+    # the comparison holds both experiments, each beside its unigram baseline
+    comp = mats["experiments/comparison"][0].metadata
+    rows = {r.data["experiment"]: r.data for r in comp["comparison"].value.records}
+    assert set(rows) == set(NAMES)
+    for n in NAMES:
+        assert rows[n]["bpb"] > 0 and rows[n]["unigram_bpb"] > 0 and rows[n]["params"] > 0
+        assert rows[n]["eval_report"] == mats[f"{n}/eval_report"][0].tags["dagster/data_version"]
+    assert rows["gpt"]["model"] == "gpt2" and rows["llama"]["model"] == "llama"
+    assert comp["plot"].value.startswith("![")
+    assert d.stale() == _expect(set())
+
+    # per change kind, the stale set equals what `lm-pipeline plan` would re-run, for both
+    assert d.stale("data.tokenizer.vocab_size=320") == _expect(_both("tokenizer", "token_cache", *OWN))
+    assert d.stale("trainer.log_every=1") == _expect(set())  # log-only: nothing
+    old = d.edit("gpt", "model", num_layers=2)  # one experiment's model
+    assert d.stale() == _expect({"gpt/train_ckpt", "gpt/eval_report", "gpt/hf_export"})
+    (d.folder / "gpt.yaml").write_text(old)
+    old = d.edit("llama", "optimizer", learning_rate=2e-3)  # the other's optimizer
+    assert d.stale() == _expect({"llama/train_ckpt", "llama/eval_report", "llama/hf_export"})
+    (d.folder / "llama.yaml").write_text(old)
+    cfg = yaml.safe_load((d.folder / "gpt.yaml").read_text())
+    cfg["eval"] = {"batch_size": 2}  # evaluation settings: only the evaluation
+    (d.folder / "gpt.yaml").write_text(yaml.safe_dump(cfg))
+    assert d.stale() == _expect({"gpt/eval_report"})
+    (d.folder / "gpt.yaml").write_text(yaml.safe_dump({k: v for k, v in cfg.items() if k != "eval"}))
+    assert d.stale() == _expect(set())  # reverted
+
+    # the data's content: a document appended to a training shard, seen once the source is observed
+    shard = Path(yaml.safe_load((d.folder / "gpt.yaml").read_text())["data"]["train_urls"][0])
+    text = shard.read_text()
+    shard.write_text(text + json.dumps({"text": "def appended():\n    return 1\n"}) + "\n")
+    assert d.stale() == _expect(set())  # not observed yet
+    assert d.run(OBSERVE_JOB).success
+    assert d.stale() == _expect(_both(*LINEAGE))
+    shard.write_text(text)  # revert the data
+    assert d.run(OBSERVE_JOB).success
+    assert d.stale() == _expect(set())
+
+    # again with nothing changed: every stage a hit
+    again = _materializations(d.run())
+    assert all(m.metadata["cache_hit"].value for k, ms in again.items() if k != "experiments/comparison" for m in ms)
+
+
+def test_a_stage_never_records_a_lineage_it_did_not_use(tmp_path):
+    """``--select gpt/train_ckpt`` after a tokenizer change: it fails naming what to materialize
+    first, and records nothing -- also once the new token cache exists outside Dagster (built by
+    the command line); materializing the cache (a hit) then lets the training record it."""
+    d = Deployed(tmp_path, dg.DagsterInstance.ephemeral())
+    assert d.run().success
+    old_cache = d.instance.get_latest_materialization_event(dg.AssetKey(["shared", "token_cache"]))
+    vocab = "data.tokenizer.vocab_size=320"
+    defs = d.defs(vocab)
+    train = dg.AssetKey(["gpt", "train_ckpt"])
+    job = defs.resolve_implicit_global_asset_job_def()
+    before = d.instance.get_latest_materialization_event(train).timestamp
+    result = job.execute_in_process(instance=d.instance, asset_selection=[train], raise_on_error=False)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    message = str(failure.step_failure_data.error.message)
+    assert "materialize shared/token_cache first" in message and "\n" not in message.strip()
+    assert d.instance.get_latest_materialization_event(train).timestamp == before  # nothing recorded
+    exp = {e.name: e for e in load_experiments(d.folder, overrides=vocab)}["gpt"]
+    pipe = exp.fresh_pipeline(exp.pipeline().store)
+    assert pipe.cached("train_ckpt") is None  # and nothing trained
+
+    built = pipe.build("token_cache")  # outside Dagster (the command line's `lm-pipeline cache`)
+    assert built.fingerprint != old_cache.asset_materialization.tags["dagster/data_version"]
+    result = job.execute_in_process(instance=d.instance, asset_selection=[train], raise_on_error=False)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "complete in the store (a cache hit) but not recorded by Dagster: materialize shared/token_cache first" in str(
+        failure.step_failure_data.error.message)
+    cache = dg.AssetKey(["shared", "token_cache"])
+    tok = dg.AssetKey(["shared", "tokenizer"])
+    assert job.execute_in_process(instance=d.instance, asset_selection=[tok, cache]).success
+    result = job.execute_in_process(instance=d.instance, asset_selection=[train])
+    assert result.success
+    m = d.instance.get_latest_materialization_event(train).asset_materialization
+    assert m.tags["dagster/input_data_version/shared/token_cache"] == built.fingerprint
+    assert m.metadata["input_fingerprints"].value["token_cache"] == built.fingerprint
+    assert m.tags["dagster/data_version"] == pipe.address("train_ckpt").fingerprint
+    recorded = d.instance.get_latest_materialization_event(cache).asset_materialization
+    assert recorded.tags["dagster/data_version"] == built.fingerprint and recorded.metadata["cache_hit"].value is True
+
+
+@pytest.mark.slow
+def test_pipeline_and_checkpoint_sensor_on_postgresql(tmp_path, monkeypatch):
+    from helpers.postgres import postgres_dagster_home, postgres_server
+
+    with postgres_server() as server:
+        home = postgres_dagster_home(tmp_path, server, template=pt.REPO / "assets" / "dagster.yaml")
+        monkeypatch.setenv("DAGSTER_HOME", str(home))
+        instance = dg.DagsterInstance.get()
+        try:
+            assert type(instance.run_storage).__name__ == "PostgresRunStorage"
+            d = Deployed(tmp_path, instance)
+            assert d.run().success
+            defs = d.defs()
+            sensor = defs.resolve_sensor_def("new_checkpoint_sensor")
+            result = sensor(dg.build_sensor_context(instance=instance, definitions=defs))
+            want = set()
+            for n in NAMES:
+                fp = instance.get_latest_materialization_event(dg.AssetKey([n, "train_ckpt"])).asset_materialization.tags[
+                    "dagster/data_version"]
+                want |= {(f"evaluate_{n}", checkpoint_key(fp, s)) for s in (3, 6)}
+            assert {(r.job_name, r.partition_key) for r in result.run_requests} == want
+            for req in result.dynamic_partitions_requests:
+                instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
+            again = sensor(dg.build_sensor_context(instance=instance, cursor=result.cursor, definitions=defs))
+            assert again.run_requests == []
+            # one requested evaluation runs against the Postgres instance
+            req = sorted(result.run_requests, key=lambda r: r.partition_key)[0]
+            run = defs.resolve_job_def(req.job_name).execute_in_process(
+                instance=instance, partition_key=req.partition_key, tags=req.tags)
+            assert run.success
+            rows = server.query("select count(*) from runs")
+            assert rows[0][0] >= 2
+        finally:
+            instance.dispose()
