@@ -305,6 +305,25 @@ def test_sensor_definition_evaluates_with_a_cursor(experiment):
     assert sensor(ctx).run_requests == []
 
 
+def test_comparison_sensor_requests_a_refresh_when_an_evaluation_lands(tmp_path):
+    defs = build_definitions(load_experiments(pt.write_experiments(tmp_path), overrides=[]))
+    sensor = defs.resolve_sensor_def("comparison_sensor")
+    instance = dg.DagsterInstance.ephemeral()
+    first = sensor(dg.build_sensor_context(instance=instance, definitions=defs))
+    assert first.run_requests == [] and first.skip_reason is not None  # nothing evaluated yet
+    instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=["llama", "eval_report"]))
+    second = sensor(dg.build_sensor_context(instance=instance, cursor=first.cursor, definitions=defs))
+    assert len(second.run_requests) == 1
+    assert defs.resolve_sensor_def("comparison_sensor").job_name == "compare_experiments"
+    assert sensor(dg.build_sensor_context(instance=instance, cursor=second.cursor, definitions=defs)).run_requests == []
+    instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=["gpt", "checkpoint_eval"]))
+    instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=["gpt", "train_ckpt"]))  # not an evaluation
+    third = sensor(dg.build_sensor_context(instance=instance, cursor=second.cursor, definitions=defs))
+    assert len(third.run_requests) == 1 and third.run_requests[0].run_key != second.run_requests[0].run_key
+    instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=["gpt", "train_ckpt"]))
+    assert sensor(dg.build_sensor_context(instance=instance, cursor=third.cursor, definitions=defs)).run_requests == []
+
+
 def test_latest_checkpoint_of_each_run():
     keys = [checkpoint_key("aaaa", 100), checkpoint_key("aaaa", 300), checkpoint_key("aaaa", 200),
             checkpoint_key("bbbb", 50)]
@@ -364,6 +383,11 @@ def test_python_m_assets_maps_to_dagster_commands(tmp_path, monkeypatch):
     instance = dg.DagsterInstance.get()  # the template is a valid SQLite instance config
     try:
         assert type(instance.run_storage).__name__ == "SqliteRunStorage"
+        # one training step and one evaluation step at a time (pools), two runs at a time (queue)
+        conf = instance.get_concurrency_config()
+        assert conf.pool_config.default_pool_limit == 1 and conf.run_queue_config.max_concurrent_runs == 2
+        for pool in (TRAINING_POOL, EVALUATION_POOL):
+            assert instance.event_log_storage.get_concurrency_info(pool).limit == 1
     finally:
         instance.dispose()
     monkeypatch.setattr(cli, "DEFAULT_HOME", tmp_path / "repo_home")  # stands in for <repo>/.dagster_home
