@@ -10,6 +10,7 @@ values parsed as YAML); the config is validated before any compute starts.
     lm-pipeline export   --checkpoint_path STEP_DIR --output_dir DIR
     lm-pipeline generate --checkpoint_path STEP_DIR --prompt "def main(" [--temperature 0.8]
     lm-pipeline estimate --config_path ... [--num_devices 8] [--budget_gib 80]
+    lm-pipeline lineage  PATH_OR_FINGERPRINT [--store ROOT | --config_path ...] [--json]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ COMMANDS = {
     "export": "export a checkpoint as a Hugging Face transformers directory",
     "generate": "sample text from a checkpoint",
     "estimate": "parameters, FLOPs per token and memory per device for the configured model, mesh and batch",
+    "lineage": "show an artifact's chain of inputs back to the raw shards (stage, fingerprint, path, config)",
 }
 
 
@@ -52,6 +54,12 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
         p.add_argument("--vocab_size", type=int, default=None, help="default: data.tokenizer.vocab_size")
         p.add_argument("--budget_gib", type=float, default=None, help="also pick the largest micro-batch that fits")
         p.add_argument("--json", action="store_true")
+    if cmd == "lineage":
+        p.add_argument("artifact", help="a path inside an artifact (its directory, a step-N, a file), "
+                       "a fingerprint or a unique prefix of one (6+ hex digits), or STAGE/FINGERPRINT")
+        p.add_argument("--store", default=None, help="the store to search for a fingerprint "
+                       "(default: store.root of --config_path, else of the defaults)")
+        p.add_argument("--json", action="store_true", help="print the chain as JSON")
     if cmd == "generate":
         p.add_argument("--prompt", action="append", required=True, help="may be given several times (a batch)")
         p.add_argument("--max_new_tokens", type=int, default=64)
@@ -119,6 +127,28 @@ def _estimate(cfg, args: argparse.Namespace) -> int:
     return 0
 
 
+def _lineage(cfg, args: argparse.Namespace) -> int:
+    """Print the artifact's lineage; 1 when it names no complete artifact or a link is missing."""
+    from lm_pipeline.steps import lineage as lin
+
+    try:
+        store, stage, fp = lin.resolve(args.artifact, args.store or cfg.store.root)
+    except lin.LineageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    steps = lin.lineage(store, stage, fp)
+    print(lin.to_json(steps) if args.json else lin.format_lineage(steps))
+    broken = lin.broken_links(steps)
+    if broken:
+        links = "; ".join(f"{s['stage']} {s['fingerprint']} ({s['status']}, read by {', '.join(s['read_by'])})"
+                          for s in broken)
+        print(f"error: the lineage of {stage} {fp} is broken: MISSING from store {store.root}: {links}. "
+              "Its chain is printed up to there; rebuild the missing artifacts with the experiment's "
+              "config, or pass the store that holds them", file=sys.stderr)
+        return 1
+    return 0
+
+
 #: Commands that run long JAX computations: started from the shell, they re-execute themselves
 #: with tcmalloc preloaded when it is installed (``lm_pipeline.launch``; 1.3x faster CPU steps).
 _REEXEC_COMMANDS = ("train", "cache", "eval", "generate")
@@ -162,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if cmd == "estimate":
             return _estimate(cfg, args)
+        if cmd == "lineage":
+            return _lineage(cfg, args)
         ckpt = _resolve_checkpoint(args.checkpoint_path)
         if cmd == "eval":
             return _eval(cfg, ckpt, args.output_dir)
