@@ -1,7 +1,9 @@
 """The pipeline through Dagster's own command line and UI, in subprocesses with a temporary
-DAGSTER_HOME and a tiny experiment chosen by environment variables: the multiprocess fan-out,
-``dagster asset materialize -m assets.definitions --select train_ckpt``, the named job, two
-simultaneous materializations, and ``dagster dev`` serving the lineage graph."""
+DAGSTER_HOME and a tiny experiment chosen by environment variables (``$LM_PIPELINE_EXPERIMENT``:
+one file, ``tiny.yaml``, so every key is ``tiny/<stage>``): the multiprocess fan-out,
+``dagster asset materialize -m assets.definitions --select tiny/train_ckpt`` (refused until its
+upstream is materialized, then with ``'*tiny/train_ckpt'``), the named job, two simultaneous
+materializations, and ``dagster dev`` serving the lineage graph."""
 
 from __future__ import annotations
 
@@ -22,13 +24,45 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import pipeline_testing as pt  # noqa: E402
 from test_steps import cache_digest  # noqa: E402
 
+from assets.deployment import COMPARISON_KEY  # noqa: E402
 from assets.pipeline import LINEAGE  # noqa: E402
 from lm_pipeline.config import load_config  # noqa: E402
 from lm_pipeline.steps import Pipeline  # noqa: E402
 from lm_pipeline.store import ArtifactStore  # noqa: E402
 
 REPO = pt.REPO
-MATERIALIZE = str(Path(__file__).parent / "scripts" / "materialize.py")
+EXP = "tiny"  # pt.write_config's file, tiny.yaml: the experiment's name and its keys' prefix
+
+
+def _key(stage: str) -> dg.AssetKey:
+    return dg.AssetKey([EXP, stage])
+
+
+def _name(stage: str) -> str:
+    return _key(stage).to_user_string()  # "tiny/<stage>", as --select takes it
+
+
+# Materialize assets of the deployment ($LM_PIPELINE_EXPERIMENT) in this process, into a fresh
+# ephemeral instance; print {key: {cache_hit, data_version}} as JSON on the last line.
+#     python -c MATERIALIZE tiny/raw_shards,tiny/tokenizer,tiny/token_cache
+MATERIALIZE = """
+import json, sys
+import dagster as dg
+from assets.deployment import Deployment
+from assets.experiment import load_experiments
+from assets.pipeline import build_assets, default_resources
+names = sys.argv[1].split(",")
+keys = [dg.AssetKey.from_user_string(n) for n in names]
+dep = Deployment(load_experiments())
+instance = dg.DagsterInstance.ephemeral()
+result = dg.materialize(build_assets(dep), selection=keys, resources=default_resources(dep), instance=instance)
+out = {}
+for name, key in zip(names, keys):
+    m = instance.get_latest_materialization_event(key).asset_materialization
+    out[name] = {"cache_hit": m.metadata["cache_hit"].value, "data_version": m.tags["dagster/data_version"]}
+print(json.dumps(out))
+raise SystemExit(0 if result.success else 1)
+"""
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
@@ -50,8 +84,8 @@ def test_two_simultaneous_materializations_leave_one_intact_artifact(tmp_path):
     experiment = pt.write_config(tmp_path)
     env = pt.subprocess_env(tmp_path, experiment)
     env["LM_PIPELINE_FAULTPOINT"] = "token_cache.before_commit:*:sleep=0.5"  # slow each group down: the runs overlap
-    keys = "raw_shards,tokenizer,token_cache"
-    procs = [subprocess.Popen([sys.executable, MATERIALIZE, keys], env=env, cwd=REPO, stdout=subprocess.PIPE,
+    keys = ",".join(_name(s) for s in ("raw_shards", "tokenizer", "token_cache"))
+    procs = [subprocess.Popen([sys.executable, "-c", MATERIALIZE, keys], env=env, cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = []
     for p in procs:
@@ -62,7 +96,7 @@ def test_two_simultaneous_materializations_leave_one_intact_artifact(tmp_path):
         assert outs[0][key]["data_version"] == outs[1][key]["data_version"]
         # one run built it; the other found it complete (before starting, or after waiting on the lock)
         assert sorted([outs[0][key]["cache_hit"], outs[1][key]["cache_hit"]]) == [False, True], key
-    fp = outs[0]["token_cache"]["data_version"]
+    fp = outs[0][_name("token_cache")]["data_version"]
     store = ArtifactStore(str(tmp_path / "store"))
     manifest = store.manifest("token_cache", fp)
     assert manifest is not None and manifest["fingerprint"] == fp
@@ -82,16 +116,17 @@ def test_multiprocess_fan_out_builds_the_single_process_cache(tmp_path):
     home = tmp_path / "dagster_home"
     env = pt.subprocess_env(tmp_path, experiment, dagster_home=home)
     env["LM_PIPELINE_FAULTPOINT"] = "token_cache.before_commit:*:sleep=1"  # each group takes >= 1 s: overlap is visible
-    _run(_dagster("asset", "materialize", "-m", "assets.definitions", "--select", "raw_shards,tokenizer,token_cache"),
-         env)
+    _run(_dagster("asset", "materialize", "-m", "assets.definitions", "--select",
+                  ",".join(_name(s) for s in ("raw_shards", "tokenizer", "token_cache"))), env)
     with _instance(home) as instance:
-        m = instance.get_latest_materialization_event(dg.AssetKey("token_cache"))
+        m = instance.get_latest_materialization_event(_key("token_cache"))
         fp = m.asset_materialization.tags["dagster/data_version"]
         records = instance.all_logs(m.run_id)
+    graph = _key("token_cache").to_python_identifier()  # tiny__token_cache: the graph asset's ops are named after it
     starts, ends = {}, {}
     for r in records:
         step = r.step_key or ""
-        if r.dagster_event is None or not step.startswith("token_cache.token_cache_group["):
+        if r.dagster_event is None or not step.startswith(f"{graph}.{graph}_group["):
             continue
         if r.dagster_event.event_type_value == "STEP_START":
             starts[step] = (r.timestamp, r.dagster_event.pid)
@@ -110,31 +145,61 @@ def test_multiprocess_fan_out_builds_the_single_process_cache(tmp_path):
 
 @pytest.mark.slow
 def test_documented_commands_materialize_train_ckpt_then_everything(tmp_path):
-    """The README's commands against a persistent instance: ``--select train_ckpt`` (training through
-    Pipes), then the named job for all six, then again: all hits, quickly."""
+    """The README's commands against a persistent instance: ``--select tiny/train_ckpt`` on a fresh
+    instance fails in one line naming what to materialize first (Dagster has no materialization of
+    its upstream), and trains nothing; ``--select '*tiny/train_ckpt'`` (it and everything upstream)
+    trains through Pipes; then the named job for all six and the comparison, then again: all hits,
+    quickly."""
     experiment = pt.write_config(tmp_path)
     home = tmp_path / "dagster_home"
     env = pt.subprocess_env(tmp_path, experiment, mode="pipes", dagster_home=home)
     env.pop("LM_PIPELINE_TRAIN_MODE")  # the default: Pipes
-    _run(_dagster("asset", "materialize", "-m", "assets.definitions", "--select", "train_ckpt"), env)
+    cmd = _dagster("asset", "materialize", "-m", "assets.definitions", "--select", _name("train_ckpt"))
+    refused = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    output = refused.stdout + refused.stderr
+    assert refused.returncode != 0, output[-4000:]
+    told = [line for line in output.splitlines() if "materialize" in line and _name("token_cache") in line]
+    assert told, output[-6000:]
+    assert any(f"{_name('train_ckpt')} reads token_cache " in line and "which is not built" in line
+               and f"materialize {_name('token_cache')} first" in line for line in told), told
     with _instance(home) as instance:
-        m = instance.get_latest_materialization_event(dg.AssetKey("train_ckpt")).asset_materialization
+        assert not [s for s in LINEAGE if instance.get_latest_materialization_event(_key(s)) is not None]
+        assert not instance.fetch_observations(_key("train_ckpt"), limit=10).records
+    store = ArtifactStore(str(tmp_path / "store"))
+    assert store.complete("token_cache") == [] and store.complete("train_ckpt") == []  # refused before any work
+
+    # '*key': the key and all its ancestors ('+key' is one level only: tiny/token_cache's own
+    # inputs would be missing)
+    _run(_dagster("asset", "materialize", "-m", "assets.definitions", "--select", f"*{_name('train_ckpt')}"), env)
+    with _instance(home) as instance:
+        built = {s: instance.get_latest_materialization_event(_key(s)) for s in LINEAGE}
+        assert {s for s, e in built.items() if e is not None} == {"raw_shards", "tokenizer", "token_cache", "train_ckpt"}
+        assert len({built[s].run_id for s in ("raw_shards", "tokenizer", "token_cache", "train_ckpt")}) == 1
+        assert not any(built[s].asset_materialization.metadata["cache_hit"].value
+                       for s in ("raw_shards", "tokenizer", "token_cache"))
+        m = built["train_ckpt"].asset_materialization
         assert m.metadata["final_step"].value == 6 and m.metadata["cache_hit"].value is False
-        obs = instance.fetch_observations(dg.AssetKey("train_ckpt"), limit=10).records
+        obs = instance.fetch_observations(_key("train_ckpt"), limit=10).records
         assert len(obs) == 2  # step-3 and step-6, reported through Pipes as they landed
 
     _run([sys.executable, "-m", "assets", "materialize"], env)  # dagster job execute -j pipeline
+    keys = [*LINEAGE, "comparison"]
+
+    def latest(instance: dg.DagsterInstance) -> dict[str, dg.AssetMaterialization]:
+        return {s: instance.get_latest_materialization_event(
+            COMPARISON_KEY if s == "comparison" else _key(s)).asset_materialization for s in keys}
+
     with _instance(home) as instance:
-        first = {k: instance.get_latest_materialization_event(dg.AssetKey(k)).asset_materialization for k in LINEAGE}
+        first = latest(instance)
     assert {k: v.metadata["cache_hit"].value for k, v in first.items()} == {
-        **dict.fromkeys(LINEAGE, True), "eval_report": False, "hf_export": False}
+        **dict.fromkeys(LINEAGE, True), "eval_report": False, "hf_export": False, "comparison": False}
 
     t0 = time.perf_counter()
     _run(_dagster("job", "execute", "-m", "assets.definitions", "-j", "pipeline"), env)
     elapsed = time.perf_counter() - t0
     with _instance(home) as instance:
-        again = {k: instance.get_latest_materialization_event(dg.AssetKey(k)).asset_materialization for k in LINEAGE}
-    assert all(again[k].metadata["cache_hit"].value for k in LINEAGE)
+        again = latest(instance)
+    assert all(again[k].metadata["cache_hit"].value for k in keys)
     assert {k: v.tags["dagster/data_version"] for k, v in again.items()} == {
         k: v.tags["dagster/data_version"] for k, v in first.items()}
     assert elapsed < 30, f"a fully cached run of the pipeline job took {elapsed:.1f}s"
@@ -177,11 +242,20 @@ def test_dagster_dev_serves_the_lineage_graph(tmp_path):
         assert nodes, f"dagster dev did not serve the assets:\n{(tmp_path / 'dagster_dev.log').read_text()[-4000:]}"
         graph = {"/".join(n["assetKey"]["path"]): {"/".join(d["path"]) for d in n["dependencyKeys"]} for n in nodes}
         groups = {"/".join(n["assetKey"]["path"]): n["groupName"] for n in nodes}
-        assert set(LINEAGE) <= set(graph)
-        assert graph["tokenizer"] == {"raw_shards"} and graph["token_cache"] == {"raw_shards", "tokenizer"}
-        assert graph["train_ckpt"] == {"token_cache"} and graph["hf_export"] == {"train_ckpt"}
-        assert graph["eval_report"] == {"train_ckpt", "token_cache"}
-        assert {groups[k] for k in LINEAGE} == {"pipeline"}
+        src, comparison = _name("data_sources"), COMPARISON_KEY.to_user_string()
+        # one experiment: its data source, six stages and per-checkpoint evaluation, and the comparison
+        assert set(graph) == {src, *(_name(s) for s in LINEAGE), _name("checkpoint_eval"), comparison}
+        assert graph[src] == set()  # every stage reads the data source directly (its staleness reaches each)
+        assert graph[_name("raw_shards")] == {src}
+        assert graph[_name("tokenizer")] == {src, _name("raw_shards")}
+        assert graph[_name("token_cache")] == {src, _name("raw_shards"), _name("tokenizer")}
+        assert graph[_name("train_ckpt")] == {src, _name("token_cache")}
+        assert graph[_name("eval_report")] == {src, _name("train_ckpt"), _name("token_cache")}
+        assert graph[_name("hf_export")] == {src, _name("train_ckpt")}
+        assert graph[_name("checkpoint_eval")] == {_name("train_ckpt")}
+        assert graph[comparison] == {_name("eval_report")}
+        assert {k: groups[k] for k in graph if k != comparison} == dict.fromkeys(set(graph) - {comparison}, EXP)
+        assert groups[comparison] == "experiments"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
