@@ -101,12 +101,12 @@ def _result(res, metadata: Mapping[str, Any]) -> dg.MaterializeResult:
     return dg.MaterializeResult(metadata=dict(metadata), data_version=dg.DataVersion(res.fingerprint))
 
 
-def _require_trained(pipe):
-    """The checkpoint readers never train: training runs only through ``train_ckpt`` (its resource)."""
+def _require_trained(pipe, key: dg.AssetKey):
+    """The checkpoint readers never train: training runs only through the training asset ``key``."""
     if pipe.cached("train_ckpt") is None:
         fp = pipe.address("train_ckpt").fingerprint
-        raise dg.Failure(f"train_ckpt {fp} is not materialized yet; materialize it first "
-                         "(e.g. --select 'train_ckpt+' or the 'pipeline' job)")
+        raise dg.Failure(f"train_ckpt {fp} is not materialized yet; materialize {key.to_user_string()} first "
+                         f"(e.g. --select '*{key.to_user_string()}' or the 'pipeline' job)", allow_retries=False)
     return pipe
 
 
@@ -252,7 +252,7 @@ def _latest_version(instance: dg.DagsterInstance, key: dg.AssetKey) -> str | Non
     return (event.tags or {}).get("dagster/data_version") if event is not None else None
 
 
-def _verify_inputs(context, dep: Deployment, node: Node, pipe) -> dict[str, str]:
+def _verify_inputs(context, dep: Deployment, node: Node, pipe, *, record: bool = True) -> dict[str, str]:
     """Make what Dagster records about this asset's inputs true before it builds.
 
     The data source: its current version is recorded as an observation when Dagster's latest one
@@ -265,7 +265,7 @@ def _verify_inputs(context, dep: Deployment, node: Node, pipe) -> dict[str, str]
     instance = context.instance
     src = dep.source_key(node.owner.name)
     version, shards = source_version(pipe)
-    if _latest_version(instance, src) != version:
+    if record and _latest_version(instance, src) != version:
         context.log_event(dg.AssetObservation(asset_key=src, tags={"dagster/data_version": version},
                                               metadata={"shards": len(shards), "observed_by": "stage " + node.stage}))
     used: dict[str, str] = {}
@@ -279,7 +279,8 @@ def _verify_inputs(context, dep: Deployment, node: Node, pipe) -> dict[str, str]
         state = ("complete in the store (a cache hit) but not recorded by Dagster" if pipe.cached(up) is not None
                  else "not built")
         raise dg.Failure(f"{me} reads {up} {want}, which is {state}: materialize {what} first (e.g. --select "
-                         f"'+{me}', or the '{experiment_job_name(node.owner.name)}' job)", allow_retries=False)
+                         f"'*{me}' for it and everything upstream, or the '{experiment_job_name(node.owner.name)}' "
+                         "job)", allow_retries=False)
     return used
 
 
@@ -291,6 +292,18 @@ def _provenance(dep: Deployment, node: Node, pipe, used: Mapping[str, str]) -> d
         "semantic_config": dg.MetadataValue.json(_json(pipe.stage_config(node.stage))),
         "input_fingerprints": dg.MetadataValue.json({**used, "data_sources": source_version(pipe)[0]}),
     }
+
+
+def _lineage(res) -> dict[str, Any]:
+    """The artifact's chain back to its shards (``lm-pipeline lineage``), shown on the asset's page."""
+    from lm_pipeline.steps.lineage import format_lineage, lineage
+
+    try:
+        steps = lineage(res.path.rsplit("/", 2)[0], res.stage, res.fingerprint)
+    except Exception as e:  # never fail a built artifact over its description
+        return {"lineage": dg.MetadataValue.text(f"unavailable: {e}")}
+    return {"lineage": dg.MetadataValue.md("```\n" + format_lineage(steps) + "\n```"),
+            "lineage_command": dg.MetadataValue.text(f"lm-pipeline lineage {res.path}")}
 
 
 def _run_pipe(exp: Experiment, store: ArtifactStoreResource):
@@ -342,11 +355,11 @@ def _stage_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
     def _asset(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
         pipe = _run_pipe(node.owner, store)
         if pipe.stage(node.stage).per_checkpoint:
-            _require_trained(pipe)
+            _require_trained(pipe, dep.key(node.owner.name, "train_ckpt"))
         used = _verify_inputs(context, dep, node, pipe)
         res = pipe.build(node.stage)
         _log(context, res)
-        return _result(res, {**METADATA[node.stage](res), **_provenance(dep, node, pipe, used)})
+        return _result(res, {**METADATA[node.stage](res), **_provenance(dep, node, pipe, used), **_lineage(res)})
 
     return _asset
 
@@ -363,6 +376,7 @@ def _token_cache_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
            out=dg.DynamicOut(dict), description="Hit: nothing to do. Miss: one output per shard group.")
     def token_cache_plan(context: dg.OpExecutionContext, store: ArtifactStoreResource):
         pipe = _run_pipe(exp, store)
+        _verify_inputs(context, dep, node, pipe, record=False)  # before any shard is tokenized
         hit = pipe.cached("token_cache")
         if hit is not None:
             context.log.info(f"token_cache {hit.fingerprint}: cache hit, no shard group to tokenize")
@@ -386,7 +400,7 @@ def _token_cache_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
         used = _verify_inputs(context, dep, node, pipe)
         res = pipe.token_cache_commit(parts)
         _log(context, res)
-        meta = {**METADATA["token_cache"](res), **_provenance(dep, node, pipe, used)}
+        meta = {**METADATA["token_cache"](res), **_provenance(dep, node, pipe, used), **_lineage(res)}
         meta["groups_tokenized_in_this_run"] = dg.MetadataValue.int(len(parts))
         with warnings.catch_warnings():  # Output(data_version=...) is marked beta
             warnings.simplefilter("ignore")
@@ -419,7 +433,7 @@ def _train_ckpt_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
         hit = pipe.cached("train_ckpt")
         if hit is not None:
             _log(context, hit)
-            yield _result(hit, {**METADATA["train_ckpt"](hit), **_provenance(dep, node, pipe, used)})
+            yield _result(hit, {**METADATA["train_ckpt"](hit), **_provenance(dep, node, pipe, used), **_lineage(hit)})
             return
         if context.retry_number:
             from lm_pipeline.train.checkpoint import latest_checkpoint
@@ -435,7 +449,7 @@ def _train_ckpt_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
         else:
             res, extra = yield from _train_in_process(context, node.key, run_pipe, fp, training.poll_seconds)
         _log(context, res)
-        yield _result(res, {**METADATA["train_ckpt"](res, extra), **_provenance(dep, node, pipe, used)})
+        yield _result(res, {**METADATA["train_ckpt"](res, extra), **_provenance(dep, node, pipe, used), **_lineage(res)})
 
     return train_ckpt
 

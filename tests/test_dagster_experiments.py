@@ -106,6 +106,11 @@ def test_two_experiments_share_stages_and_go_stale_exactly_as_the_plan_says(tmp_
     cache_fp = mats["shared/token_cache"][0].tags["dagster/data_version"]
     assert llama_train.metadata["input_fingerprints"].value["token_cache"] == cache_fp
     assert llama_train.tags["dagster/input_data_version/shared/token_cache"] == cache_fp
+    chain = llama_train.metadata["lineage"].value  # the chain back to the shards, on the asset's page
+    for stage in ("train_ckpt", "token_cache", "tokenizer", "raw_shards"):
+        fp = mats[f"shared/{stage}" if stage in SHARED else f"llama/{stage}"][0].tags["dagster/data_version"]
+        assert f"{stage} {fp}" in chain or (stage in chain and fp in chain), (stage, chain[:2000])
+    assert chain.index("token_cache") < chain.index("raw_shards")
     # the comparison holds both experiments, each beside its unigram baseline
     comp = mats["experiments/comparison"][0].metadata
     rows = {r.data["experiment"]: r.data for r in comp["comparison"].value.records}
@@ -225,3 +230,72 @@ def test_pipeline_and_checkpoint_sensor_on_postgresql(tmp_path, monkeypatch):
             assert rows[0][0] >= 2
         finally:
             instance.dispose()
+
+
+@pytest.mark.slow
+def test_an_eval_settings_change_marks_every_checkpoint_evaluation_stale_and_a_backfill_reevaluates(tmp_path, monkeypatch):
+    """Checkpoint evaluations of both checkpoints, then an edit to the experiment's eval settings:
+    both partitions stale; ``dagster job backfill`` (runs launched by the instance, each in its
+    own process) re-evaluates them and they are fresh again, with new reports."""
+    import subprocess
+    import time
+
+    home = tmp_path / "home"
+    home.mkdir()
+    # runs are launched as they are submitted (no queue: no daemon runs in this test)
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\nrun_coordinator:\n"
+                                       "  module: dagster._core.run_coordinator\n  class: DefaultRunCoordinator\n")
+    folder = pt.write_experiments(tmp_path, {"gpt": {}})
+    env = {**pt.subprocess_env(tmp_path, folder / "gpt.yaml", dagster_home=home), "LM_PIPELINE_EXPERIMENTS_DIR": str(folder)}
+    env.pop("LM_PIPELINE_EXPERIMENT")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    instance = dg.DagsterInstance.get()
+    try:
+        d = Deployed.__new__(Deployed)
+        d.tmp, d.folder, d.instance = tmp_path, folder, instance
+        assert d.run("pipeline_gpt").success
+        defs = d.defs()
+        result = defs.resolve_sensor_def("new_checkpoint_sensor")(dg.build_sensor_context(instance=instance, definitions=defs))
+        for req in result.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
+        keys = sorted(r.partition_key for r in result.run_requests)
+        assert len(keys) == 2
+        for req in result.run_requests:
+            assert defs.resolve_job_def(req.job_name).execute_in_process(
+                instance=instance, partition_key=req.partition_key, tags=req.tags).success
+        evals = dg.AssetKey(["gpt", "checkpoint_eval"])
+
+        def status() -> dict[str, StaleStatus]:
+            graph = d.defs().resolve_asset_graph()
+            resolver = CachingStaleStatusResolver(instance, graph, LoadingContextForTest(instance))
+            return {k: resolver.get_status(evals, k) for k in keys}
+
+        def versions() -> dict[str, str]:
+            return {k: instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=evals, asset_partitions=[k]),
+                                                    limit=1).records[0].asset_materialization.tags["dagster/data_version"]
+                    for k in keys}
+
+        assert status() == dict.fromkeys(keys, StaleStatus.FRESH)
+        before = versions()
+        cfg = yaml.safe_load((folder / "gpt.yaml").read_text())
+        cfg["eval"] = {"batch_size": 2}
+        (folder / "gpt.yaml").write_text(yaml.safe_dump(cfg))
+        assert status() == dict.fromkeys(keys, StaleStatus.STALE)
+
+        out = subprocess.run([pt.python(), "-m", "dagster", "job", "backfill", "-m", "assets.definitions",
+                              "-j", "evaluate_gpt", "--partitions", ",".join(keys), "--noprompt"],
+                             env=env, cwd=pt.REPO, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "Launched backfill" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            runs = [r for r in instance.get_runs() if r.tags.get("dagster/backfill")]
+            if len(runs) == 2 and all(r.is_finished for r in runs):
+                break
+            time.sleep(1)
+        assert sorted(r.tags.get("dagster/partition") for r in runs) == keys
+        assert all(r.is_success for r in runs), [(r.run_id, r.status) for r in runs]
+        assert status() == dict.fromkeys(keys, StaleStatus.FRESH)
+        after = versions()
+        assert all(after[k] != before[k] for k in keys)  # new reports, not the old ones again
+    finally:
+        instance.dispose()
