@@ -127,14 +127,21 @@ def experiment_name(path: str | os.PathLike) -> str:
 RESERVED_NAMES = frozenset({"shared", "experiments"})
 
 
+def default_experiments_dir() -> Path:
+    """``configs/experiments`` of the working directory (where ``dagster dev`` runs, like a relative
+    ``store.root``) when it has one, else this repository's."""
+    here = Path.cwd() / "configs" / "experiments"
+    return here if here.is_dir() else EXPERIMENTS_DIR
+
+
 def experiment_files(directory: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> list[Path]:
     """The experiment files to load: ``$LM_PIPELINE_EXPERIMENT`` alone, else every ``*.yaml`` of
-    ``directory`` (default ``$LM_PIPELINE_EXPERIMENTS_DIR``, else ``configs/experiments/``), sorted."""
+    ``directory`` (default ``$LM_PIPELINE_EXPERIMENTS_DIR``, else :func:`default_experiments_dir`), sorted."""
     env = os.environ if env is None else env
     single = (env.get(EXPERIMENT_ENV) or "").strip()
     if directory is None and single:
         return [Path(single)]
-    folder = Path(directory if directory is not None else (env.get(EXPERIMENTS_DIR_ENV) or "").strip() or EXPERIMENTS_DIR)
+    folder = Path(directory if directory is not None else (env.get(EXPERIMENTS_DIR_ENV) or "").strip() or default_experiments_dir())
     if not folder.is_dir():
         raise FileNotFoundError(f"experiments folder {folder} does not exist (${EXPERIMENTS_DIR_ENV}); create it "
                                 "with one YAML file per experiment, or name one file with $" + EXPERIMENT_ENV)

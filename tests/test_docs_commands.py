@@ -85,6 +85,9 @@ def _sandbox(tmp: Path) -> dict[str, str]:
         for key in ("train_urls", "validation_urls"):
             cfg["data"][key] = [os.path.relpath(p, tmp) for p in cfg["data"][key]]
         (tmp / "configs" / name).write_text(yaml.safe_dump(cfg, sort_keys=False))
+    # the Dagster deployment's experiments, shrunk alike (they share data and tokenizer)
+    for path in (tmp / "configs" / "experiments").glob("*.yaml"):
+        path.write_text((tmp / "configs" / ("tiny_llama.yaml" if "llama" in path.stem else "tiny_gpt2.yaml")).read_text())
     env = dict(os.environ)
     env.update({"PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}",
                 "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false",
