@@ -1,8 +1,10 @@
-"""The Dagster UI in a real (headless, system) Chromium: the asset graph and train_ckpt's metadata.
+"""The Dagster UI in a real (headless, system) Chromium: the deployment's global asset graph (two
+experiments, the stages they share, the comparison), a training asset's metadata, the comparison.
 
-Materializes a tiny pipeline into a fresh persistent instance, starts ``dagster dev`` on a loopback
-port against it, and drives Chromium through Selenium with the system chromedriver (Selenium
-Manager is never asked to download anything). Screenshots go to ``test-artifacts/ui/``.
+Materializes two tiny experiments and their comparison into a fresh persistent instance, starts
+``dagster dev`` on a loopback port against their folder (``$LM_PIPELINE_EXPERIMENTS_DIR``), and
+drives Chromium through Selenium with the system chromedriver (Selenium Manager is never asked to
+download anything). Screenshots go to ``test-artifacts/ui/``.
 Install the browser with ``scripts/install_browser.sh`` (``.ci/run`` does it before this tier, and
 fails when it cannot); without it these tests skip, except under CI=true, where they fail.
 """
@@ -30,10 +32,26 @@ pytestmark = pytest.mark.ui
 CHROMIUM = os.environ.get("LM_PIPELINE_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("LM_PIPELINE_CHROMEDRIVER", "/usr/bin/chromedriver")
 ARTIFACTS = pt.REPO / "test-artifacts" / "ui"
-LINEAGE = ("raw_shards", "tokenizer", "token_cache", "train_ckpt", "eval_report", "hf_export")
-# raw_shards->tokenizer, raw_shards->token_cache, tokenizer->token_cache, token_cache->train_ckpt,
-# token_cache->eval_report, train_ckpt->eval_report, train_ckpt->hf_export
-NUM_EDGES = 7
+# The deployment of pt.write_experiments: gpt and llama share their data and tokenizer (same config),
+# and train (and everything after) on their own. Asset group -> the assets drawn in it.
+GROUPS = {"shared": ("data_sources", "raw_shards", "tokenizer", "token_cache"),
+          "gpt": ("train_ckpt", "eval_report", "hf_export", "checkpoint_eval"),
+          "llama": ("train_ckpt", "eval_report", "hf_export", "checkpoint_eval"),
+          "experiments": ("comparison",)}
+# The lineage edges (upstream, downstream) between "<group>/<name>" nodes: every stage also depends
+# on the data source directly; the comparison on both experiments' evaluations.
+EDGES = {("shared/data_sources", "shared/raw_shards"), ("shared/data_sources", "shared/tokenizer"),
+         ("shared/data_sources", "shared/token_cache"), ("shared/raw_shards", "shared/tokenizer"),
+         ("shared/raw_shards", "shared/token_cache"), ("shared/tokenizer", "shared/token_cache")}
+for _e in ("gpt", "llama"):
+    EDGES |= {("shared/token_cache", f"{_e}/train_ckpt"), ("shared/token_cache", f"{_e}/eval_report"),
+              ("shared/data_sources", f"{_e}/train_ckpt"), ("shared/data_sources", f"{_e}/eval_report"),
+              ("shared/data_sources", f"{_e}/hf_export"), (f"{_e}/train_ckpt", f"{_e}/eval_report"),
+              (f"{_e}/train_ckpt", f"{_e}/hf_export"), (f"{_e}/train_ckpt", f"{_e}/checkpoint_eval"),
+              (f"{_e}/eval_report", "experiments/comparison")}
+# What the deployment starts RUNNING, stopped before the daemon starts (see the server fixture).
+AUTOMATION = (("sensor", "new_checkpoint_sensor"), ("sensor", "comparison_sensor"),
+              ("schedule", "observe_data_sources"), ("schedule", "reevaluate_gpt"), ("schedule", "reevaluate_llama"))
 
 
 def _need_browser() -> None:
@@ -52,30 +70,43 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A materialized tiny pipeline and ``dagster dev`` serving it; yields the base URL."""
+    """Two materialized tiny experiments (gpt, llama: shared data and tokenizer) and their
+    comparison, and ``dagster dev`` serving the folder they live in; yields the base URL."""
     _need_browser()
     tmp = tmp_path_factory.mktemp("ui")
-    config = pt.write_config(tmp)
+    folder = pt.write_experiments(tmp)
     home = tmp / "dagster_home"
-    env = pt.subprocess_env(tmp, config, dagster_home=home)
-    # no run launched by the sensor may compete with the test for the CPU: queue them
+    env = pt.subprocess_env(tmp, folder, dagster_home=home)
+    env.pop("LM_PIPELINE_EXPERIMENT")  # the whole folder, as a deployment loads it
+    env["LM_PIPELINE_EXPERIMENTS_DIR"] = str(folder)
+    # no run launched in the UI's instance may compete with the test for the CPU: queue them
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\nrun_queue:\n  max_concurrent_runs: 0\n")
     script = ("import dagster as dg\n"
-              "from assets.experiment import load_experiment\n"
-              "from assets.pipeline import LINEAGE, build_assets, default_resources\n"
+              "from assets.deployment import COMPARISON_KEY, Deployment\n"
+              "from assets.experiment import load_experiments\n"
+              "from assets.pipeline import build_assets, default_resources, lineage_selection\n"
               "from resources import TrainingLauncherResource\n"
-              "exp = load_experiment()\n"
-              "res = {**default_resources(exp), 'training': TrainingLauncherResource(mode='in_process')}\n"
-              "r = dg.materialize(build_assets(exp), selection=list(LINEAGE), resources=res,\n"
-              "                   instance=dg.DagsterInstance.get())\n"
+              "dep = Deployment(load_experiments())\n"
+              "assert sorted(dep.experiments) == ['gpt', 'llama'], sorted(dep.experiments)\n"
+              "res = {**default_resources(dep),\n"
+              "       'training': TrainingLauncherResource(mode='in_process', poll_seconds=0.2)}\n"
+              "r = dg.materialize(build_assets(dep), selection=[*lineage_selection(dep), COMPARISON_KEY],\n"
+              "                   resources=res, instance=dg.DagsterInstance.get())\n"
               "raise SystemExit(0 if r.success else 1)\n")
     done = subprocess.run([pt.python(), "-c", script], env=env, cwd=pt.REPO, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # The deployment's sensors and schedules start RUNNING; the first ticks would queue evaluations
+    # and a comparison (in progress, in the UI) and the pages would depend on when they ticked:
+    # stop them in the instance before the daemon starts.
+    dagster = str(Path(pt.python()).with_name("dagster"))
+    for kind, name in AUTOMATION:
+        done = subprocess.run([dagster, kind, "stop", name, "-m", "assets.definitions"], env=env, cwd=pt.REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "Stopped" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
 
     port = _free_port()
     log = open(tmp / "dagster_dev.log", "w")
-    dagster = str(Path(pt.python()).with_name("dagster"))
     proc = subprocess.Popen([dagster, "dev", "-m", "assets.definitions", "-h", "127.0.0.1", "-p", str(port)],
                             env=env, cwd=pt.REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -116,7 +147,7 @@ def browser():
     opts.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-dev-shm-usage", "--window-size=1600,1000", f"--user-data-dir={profile}"):
+                "--disable-dev-shm-usage", "--window-size=1600,1200", f"--user-data-dir={profile}"):
         opts.add_argument(arg)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     driver.set_page_load_timeout(60)
@@ -167,30 +198,116 @@ def _shot(driver, name: str) -> Path:
     return path
 
 
-def test_asset_graph_shows_six_assets_and_their_lineage(server, browser):
+# The drawn graph, read from the explorer's SVG (layout coordinates): the expanded groups' boxes,
+# the asset nodes (name, box, status) and each edge's end points.
+_GRAPH_JS = """
+const svg = document.querySelector("svg[class*='AssetGraphExplorer']");
+if (!svg) return null;
+const box = (fo) => ({x: +fo.getAttribute('x'), y: +fo.getAttribute('y'),
+                      w: +fo.getAttribute('width'), h: +fo.getAttribute('height')});
+const groups = [], nodes = [], edges = [];
+for (const fo of svg.querySelectorAll('foreignObject')) {
+  const name = fo.querySelector("[class*='AssetNode_assetName']");
+  const title = fo.querySelector('[data-tooltip]');
+  if (name && fo.querySelector("[class*='assetNodeContainer']")) {
+    const mini = fo.querySelector("[class*='minimalAssetNodeBox']");
+    nodes.push({name: name.textContent.trim(), text: fo.textContent,
+                style: mini ? (mini.getAttribute('style') || '') : '', ...box(fo)});
+  } else if (title && fo.querySelector("[aria-label^='unfold']")) {
+    groups.push({name: title.getAttribute('data-tooltip'), ...box(fo)});
+  }
+}
+for (const p of svg.querySelectorAll('path[marker-end]')) {
+  const n = (p.getAttribute('d').match(/-?[0-9.]+/g) || []).map(Number);
+  edges.push([n[0], n[1], n[n.length - 2], n[n.length - 1]]);
+}
+return {groups, nodes, edges};
+"""
+
+
+def _drawn_graph(driver) -> tuple[dict[str, dict], list[tuple[str, str]]]:
+    """The drawn asset nodes as ``"<group>/<name>" -> box`` (the group whose box holds the node),
+    and the edges as (upstream, downstream) node ids: an edge leaves the middle of its upstream
+    node's right side and ends (its arrow) just left of the middle of the downstream node's left."""
+    g = driver.execute_script(_GRAPH_JS)
+    nodes: dict[str, dict] = {}
+    for n in g["nodes"]:
+        holders = [gr["name"] for gr in g["groups"] if gr["x"] <= n["x"] and n["x"] + n["w"] <= gr["x"] + gr["w"]
+                   and gr["y"] <= n["y"] and n["y"] + n["h"] <= gr["y"] + gr["h"]]
+        assert len(holders) == 1, f"node {n['name']} is drawn in groups {holders}"
+        node_id = f"{holders[0]}/{n['name']}"
+        assert node_id not in nodes, f"{node_id} is drawn twice"
+        nodes[node_id] = n
+
+    def at(x: float, y: float, side: str) -> str:
+        def dist(n):
+            edge_x = n["x"] + n["w"] if side == "right" else n["x"]
+            return abs(edge_x - x), abs(n["y"] + n["h"] / 2 - y)
+        hits = [k for k, n in nodes.items() if dist(n)[0] <= 15 and dist(n)[1] <= 5]
+        assert len(hits) == 1, f"an edge end at ({x}, {y}) touches the {side} side of {hits or 'no node'}"
+        return hits[0]
+
+    edges = [(at(x1, y1, "right"), at(x2, y2, "left")) for x1, y1, x2, y2 in g["edges"]]
+    return nodes, edges
+
+
+def test_global_asset_graph_shows_both_experiments_their_shared_stages_and_the_comparison(server, browser):
+    from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
 
     _welcomed(browser, server)
-    browser.get(f"{server}/locations/assets.definitions/asset-groups/pipeline/lineage")
+    browser.get(f"{server}/asset-groups")  # the UI's "Lineage": the global asset graph, every group
 
-    def nodes(d):
-        names = {e.get_attribute("data-tooltip") for e in d.find_elements(By.CSS_SELECTOR, "[data-tooltip]")}
-        return names if set(LINEAGE) <= names else False
+    # it opens with each group collapsed to one box: one per experiment, shared, experiments
+    def collapsed(d):
+        g = d.execute_script(_GRAPH_JS)
+        return g if g and set(GROUPS) <= {gr["name"] for gr in g["groups"]} else False
 
-    names = _wait(browser, nodes, what="the six asset nodes")
-    assert set(LINEAGE) <= names
-    # the lineage edges: SVG paths ending in an arrow marker inside the graph's canvas
-    edges = _wait(browser, lambda d: d.find_elements(
-        By.CSS_SELECTOR, "svg[class*='AssetGraphExplorer'] path[marker-end]") or False, what="lineage edges")
-    assert len(edges) >= NUM_EDGES, f"{len(edges)} edges drawn, expected {NUM_EDGES}"
-    # each edge goes left to right (upstream to downstream) between two drawn nodes
-    box = {n: browser.find_element(By.CSS_SELECTOR, f"[data-tooltip='{n}']").rect for n in LINEAGE}
-    order = sorted(LINEAGE, key=lambda n: box[n]["x"])
-    assert order.index("raw_shards") < order.index("tokenizer") < order.index("token_cache") \
-        < order.index("train_ckpt") < min(order.index("eval_report"), order.index("hf_export"))
-    # and each node shows its latest materialization once the live data has loaded
-    _wait(browser, lambda d: len(d.find_elements(By.XPATH, "//*[normalize-space()='Materialized']")) >= len(LINEAGE)
-          and not d.find_elements(By.XPATH, "//*[normalize-space()='Loading...']"), what="the nodes' status")
+    g = _wait(browser, collapsed, what="the four collapsed groups")
+    assert sorted(gr["name"] for gr in g["groups"]) == sorted(GROUPS) and not g["nodes"], g
+    # "Expand all groups", from the graph's settings menu (the gear by the zoom controls)
+    _dismiss_dialogs(browser)
+    gear = [b for b in browser.find_elements(By.XPATH, "//button[.//*[@aria-label='settings']]")
+            if b.is_displayed() and not b.text.strip()]
+    assert gear, "no settings button on the graph"
+    gear[-1].click()
+    _wait(browser, lambda d: [e for e in d.find_elements(By.XPATH, "//*[normalize-space(text())='Expand all groups']")
+                              if e.is_displayed()] or False, what="the graph's settings menu")[0].click()
+
+    expected = sorted(f"{g}/{n}" for g, names in GROUPS.items() for n in names)
+
+    def drawn(d):
+        g = d.execute_script(_GRAPH_JS)
+        if not g or len(g["nodes"]) < len(expected) or len(g["edges"]) < len(EDGES):
+            return False
+        return _drawn_graph(d)
+
+    nodes, edges = _wait(browser, drawn, what="the expanded graph's nodes and edges")
+    ActionChains(browser).send_keys(Keys.ESCAPE).perform()  # close the menu
+    _wait(browser, lambda d: not [e for e in d.find_elements(By.XPATH, "//*[normalize-space(text())='Collapse all groups']")
+                                  if e.is_displayed()], what="the menu to close")
+    # every asset once, in its group: one tokenizer (shared), a train_ckpt per experiment, ...
+    assert sorted(nodes) == expected, f"drawn {sorted(nodes)}"
+    # the lineage, edge by edge (each drawn once), all flowing left to right
+    assert len(edges) == len(set(edges)), f"edges drawn twice: {sorted(e for e in edges if edges.count(e) > 1)}"
+    assert set(edges) == EDGES, (f"missing {sorted(EDGES - set(edges))}, unexpected {sorted(set(edges) - EDGES)}")
+    for up, down in edges:
+        assert nodes[up]["x"] + nodes[up]["w"] <= nodes[down]["x"], f"{up} -> {down} does not flow left to right"
+    # the experiments' groups sit between the shared stages and the comparison
+    for e in ("gpt", "llama"):
+        assert nodes["shared/token_cache"]["x"] < nodes[f"{e}/train_ckpt"]["x"] < nodes["experiments/comparison"]["x"]
+
+    # once the live data has loaded, each built asset shows as materialized (a full node says so;
+    # a small one, as the whole graph is drawn, is green)
+    built = [k for k in expected if k.rsplit("/", 1)[1] not in ("data_sources", "checkpoint_eval")]
+
+    def materialized(d):
+        cur, _ = _drawn_graph(d)
+        return all("Materialized" in cur[k]["text"] or "background-green" in cur[k]["style"] for k in built) \
+            and not d.find_elements(By.XPATH, "//*[normalize-space()='Loading...']")
+
+    _wait(browser, materialized, what="the nodes' status")
     time.sleep(1)
     _shot(browser, "asset_graph.png")
 
@@ -199,12 +316,16 @@ def test_train_ckpt_page_shows_loss_curve_and_final_metrics(server, browser):
     from selenium.webdriver.common.by import By
 
     _welcomed(browser, server)
-    browser.get(f"{server}/assets/train_ckpt")
+    browser.get(f"{server}/assets/gpt/train_ckpt")
     _wait(browser, lambda d: d.find_elements(
         By.XPATH, "//td[.//span[normalize-space()='final_metrics']]") or False, what="train_ckpt's metadata")
     page = browser.page_source
     for key in ("final_metrics", "train/loss", "eval/loss", "final_step", "loss_curve"):
-        assert key in page, f"{key} is not shown on train_ckpt's page"
+        assert key in page, f"{key} is not shown on gpt/train_ckpt's page"
+    # it is gpt's own asset: its group and its experiment tag
+    assert browser.find_elements(By.XPATH, "//a[contains(@href, '/asset-groups') and normalize-space()='gpt']"), \
+        "no link to its group gpt"
+    assert "experiment/gpt" in page
     row = browser.find_element(By.XPATH, "//td[.//span[normalize-space()='final_metrics']]")
     browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", row)
     time.sleep(0.5)
@@ -220,3 +341,52 @@ def test_train_ckpt_page_shows_loss_curve_and_final_metrics(server, browser):
     assert img.get_property("naturalHeight") > 100
     time.sleep(0.5)
     _shot(browser, "train_ckpt_loss_curve.png")
+
+
+def _metadata_row(driver, key: str):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.XPATH, f"//tr[td[1]//span[normalize-space()='{key}']]")
+
+
+def test_comparison_page_shows_both_experiments_side_by_side(server, browser):
+    from selenium.webdriver.common.by import By
+
+    _welcomed(browser, server)
+    browser.get(f"{server}/assets/experiments/comparison")
+    table_xpath = "//tr[td[1]//span[normalize-space()='comparison']]//table"
+    _wait(browser, lambda d: d.find_elements(By.XPATH, f"{table_xpath}//tbody/tr") or False,
+          what="the comparison table")
+    table = browser.find_element(By.XPATH, table_xpath)
+    header = [th.text.strip() for th in table.find_elements(By.XPATH, ".//thead//th")]
+    rows = [[td.text.strip() for td in tr.find_elements(By.XPATH, "./td")]
+            for tr in table.find_elements(By.XPATH, ".//tbody/tr")]
+    assert header[:2] == ["experiment", "model"] and "bpb" in header, header
+    # one row per experiment, each trained and evaluated
+    assert [r[0] for r in rows] == ["gpt", "llama"], rows
+    assert [r[1] for r in rows] == ["gpt2", "llama"], rows
+    for r in rows:
+        for col in ("params", "step", "eval_loss", "bpb", "unigram_bpb"):
+            assert float(r[header.index(col)]) > 0, f"{r[0]}'s {col} is {r[header.index(col)]!r}"
+    assert _metadata_row(browser, "experiments").text.split()[-1] == "2"
+    assert _metadata_row(browser, "evaluated").text.split()[-1] == "2"
+    # the markdown table says the same
+    md_rows = _metadata_row(browser, "comparison_md").find_elements(By.XPATH, ".//table//tbody/tr")
+    assert [tr.find_element(By.XPATH, "./td[1]").text.strip() for tr in md_rows] == ["gpt", "llama"]
+    # built from both experiments' evaluations
+    for e in ("gpt", "llama"):
+        assert browser.find_elements(By.XPATH, f"//a[@href='/assets/{e}/eval_report']"), f"{e}/eval_report not upstream"
+    key = _metadata_row(browser, "comparison").find_element(By.XPATH, "./td[1]")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center', inline: 'start'})", key)
+    time.sleep(0.5)
+    _shot(browser, "comparison_table.png")
+
+    show = _metadata_row(browser, "plot").find_element(By.XPATH, ".//a[contains(., 'Show Markdown')]")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", show)
+    show.click()
+    img = _wait(browser, lambda d: [i for i in d.find_elements(By.CSS_SELECTOR, "img[src^='data:image/png']")
+                                    if i.is_displayed() and i.get_property("naturalWidth") > 100] or False,
+                what="the comparison plot")[0]
+    assert img.get_property("naturalHeight") > 100
+    time.sleep(0.5)
+    _shot(browser, "comparison_plot.png")
