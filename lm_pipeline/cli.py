@@ -40,10 +40,30 @@ COMMANDS = {
 }
 
 
+def experiment_path(name: str) -> str | None:
+    """``configs/experiments/<name>.yaml`` (of ``$LM_PIPELINE_EXPERIMENTS_DIR`` when set), the
+    file the Dagster deployment names ``name``; None (after saying what exists) when missing."""
+    import os
+
+    folder = os.environ.get("LM_PIPELINE_EXPERIMENTS_DIR") or os.path.join("configs", "experiments")
+    for ext in (".yaml", ".yml"):
+        path = os.path.join(folder, name + ext)
+        if os.path.isfile(path):
+            return path
+    known = sorted(os.path.splitext(f)[0] for f in os.listdir(folder) if f.endswith((".yaml", ".yml"))) \
+        if os.path.isdir(folder) else []
+    print(f"lm-pipeline: no experiment {name!r} in {folder}/ (experiments: {', '.join(known) or 'none'}); "
+          "pass --config_path FILE for a config elsewhere", file=sys.stderr)
+    return None
+
+
 def _parser(cmd: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"lm-pipeline {cmd}", description=COMMANDS[cmd],
                                 epilog="Any config field can be overridden: --section.field VALUE")
     p.add_argument("--config_path", "--config", dest="config_path", default=None, help="run config YAML")
+    p.add_argument("--experiment", default=None,
+                   help="an experiment of the Dagster deployment by name (as in its asset keys): "
+                        "configs/experiments/NAME.yaml, or $LM_PIPELINE_EXPERIMENTS_DIR/NAME.yaml")
     p.add_argument("--log_level", default="INFO")
     if cmd in ("eval", "export", "generate"):
         p.add_argument("--checkpoint_path", required=True, help="a step-N dir, or a run dir (its latest checkpoint)")
@@ -168,6 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     cmd, rest = argv[0], argv[1:]
     args, overrides = _parser(cmd).parse_known_args(rest)
+    if args.experiment is not None:
+        if args.config_path is not None:
+            print("lm-pipeline: give --experiment NAME or --config_path FILE, not both", file=sys.stderr)
+            return 2
+        args.config_path = experiment_path(args.experiment)
+        if args.config_path is None:
+            return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
     try:

@@ -36,3 +36,28 @@ def test_train_reexecutes_with_tcmalloc_then_reports_the_config_error():
 def test_opt_out_and_quick_commands_do_not_reexecute():
     assert _run("train", LM_PIPELINE_NO_TCMALLOC="1").stdout.splitlines() == ["LD_PRELOAD="]
     assert _run("plan").stdout.splitlines() == ["LD_PRELOAD="]
+
+
+def test_experiment_by_name_is_the_file_the_deployment_names_so(tmp_path, monkeypatch, capsys):
+    """``--experiment llama`` plans ``configs/experiments/llama.yaml`` (the deployment's ``llama``)."""
+    import shutil
+
+    from lm_pipeline.cli import main
+    from lm_pipeline.config import load_config
+    from lm_pipeline.steps import Pipeline
+
+    folder = tmp_path / "configs" / "experiments"
+    shutil.copytree("configs/experiments", folder)
+    shutil.copytree("configs/data", tmp_path / "configs" / "data")
+    monkeypatch.setenv("LM_PIPELINE_EXPERIMENTS_DIR", str(folder))
+    root = str(tmp_path / "store")
+    assert main(["plan", "--experiment", "llama", "--store.root", root]) == 0
+    out = capsys.readouterr().out
+    fps = {n: Pipeline(load_config(folder / f"{n}.yaml", [("store.root", root)]), progress=False).address("train_ckpt")
+           .fingerprint for n in ("llama", "default")}
+    assert fps["llama"] in out and fps["default"] not in out
+    assert main(["plan", "--experiment", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "no experiment 'nope'" in err and "default, llama" in err
+    assert main(["plan", "--experiment", "llama", "--config_path", "x.yaml"]) == 2
+    assert "not both" in capsys.readouterr().err
