@@ -5,8 +5,8 @@ uses a temporary instance that is deleted on exit. This wrapper sets ``DAGSTER_H
 ``<repo>/.dagster_home`` when it is unset (creating it, with a dagster.yaml for SQLite storage),
 so lineage and history persist with nothing exported::
 
-    python -m assets materialize          # all six lineage assets (dagster job execute -j pipeline)
-    python -m assets materialize --select train_ckpt   # any selection (dagster asset materialize)
+    python -m assets materialize          # every experiment and the comparison (dagster job execute -j pipeline)
+    python -m assets materialize --select "*llama/train_ckpt"   # any selection (dagster asset materialize)
     python -m assets dev [-p 3000]        # the UI and daemon (sensors, schedules): dagster dev
     python -m assets home                 # print the instance directory
     python -m assets dagster ARGS...      # any other dagster command, same instance

@@ -7,7 +7,7 @@ Each experiment (a file of ``configs/experiments/``) has the lineage::
 and stages that experiments share are one asset (``shared/<stage>``; keys and sharing:
 :mod:`assets.deployment`). Besides: ``<experiment>/checkpoint_eval`` (one dynamic partition per
 training checkpoint, requested by ``new_checkpoint_sensor`` and re-run by the
-``reevaluate_latest_checkpoints`` schedule) and ``experiments/comparison`` (every experiment's
+``reevaluate_<experiment>`` schedules) and ``experiments/comparison`` (every experiment's
 evaluation side by side, refreshed by ``comparison_sensor`` when an evaluation lands).
 
 Every asset is a thin shell around :class:`lm_pipeline.steps.Pipeline`: it computes its
