@@ -11,7 +11,8 @@ so lineage and history persist with nothing exported::
     python -m assets home                 # print the instance directory
     python -m assets dagster ARGS...      # any other dagster command, same instance
 
-The experiment comes from ``$LM_PIPELINE_EXPERIMENT`` / ``$LM_PIPELINE_OVERRIDES`` as usual.
+The experiments are the files of ``configs/experiments/`` (``$LM_PIPELINE_EXPERIMENTS_DIR``), or
+the one file ``$LM_PIPELINE_EXPERIMENT``, with ``$LM_PIPELINE_OVERRIDES``; see :mod:`assets.experiment`.
 """
 
 from __future__ import annotations
