@@ -61,6 +61,22 @@ class Deployed:
         resolver = CachingStaleStatusResolver(self.instance, graph, LoadingContextForTest(self.instance))
         return {f"{n}/{s}": resolver.get_status(dep.key(n, s)) for n in NAMES for s in LINEAGE}
 
+    def misses(self, overrides: str = "") -> set[str]:
+        """``<experiment>/<stage>`` that ``lm-pipeline plan`` reports as MISS (to be rebuilt)."""
+        from lm_pipeline.store import ArtifactStore
+
+        out = set()
+        for exp in load_experiments(self.folder, overrides=overrides):
+            rows = exp.fresh_pipeline(ArtifactStore(exp.store_root)).plan()
+            out |= {f"{exp.name}/{r['stage']}" for r in rows if not r["hit"]}
+        return out
+
+    def agrees(self, overrides: str = "") -> dict[str, StaleStatus]:
+        """The UI's stale set, after checking it is the plan's set of misses."""
+        stale = self.stale(overrides)
+        assert {k for k, v in stale.items() if v == StaleStatus.STALE} == self.misses(overrides)
+        return stale
+
     def edit(self, name: str, section: str, **values) -> str:
         """Edit one experiment's file; returns its old text (to revert)."""
         path = self.folder / f"{name}.yaml"
@@ -123,31 +139,32 @@ def test_two_experiments_share_stages_and_go_stale_exactly_as_the_plan_says(tmp_
     assert d.stale() == _expect(set())
 
     # per change kind, the stale set equals what `lm-pipeline plan` would re-run, for both
-    assert d.stale("data.tokenizer.vocab_size=320") == _expect(_both("tokenizer", "token_cache", *OWN))
-    assert d.stale("trainer.log_every=1") == _expect(set())  # log-only: nothing
+    assert d.agrees("data.tokenizer.vocab_size=320") == _expect(_both("tokenizer", "token_cache", *OWN))
+    assert d.agrees("trainer.log_every=1") == _expect(set())  # log-only: nothing
     old = d.edit("gpt", "model", num_layers=2)  # one experiment's model
-    assert d.stale() == _expect({"gpt/train_ckpt", "gpt/eval_report", "gpt/hf_export"})
+    assert d.agrees() == _expect({"gpt/train_ckpt", "gpt/eval_report", "gpt/hf_export"})
     (d.folder / "gpt.yaml").write_text(old)
     old = d.edit("llama", "optimizer", learning_rate=2e-3)  # the other's optimizer
-    assert d.stale() == _expect({"llama/train_ckpt", "llama/eval_report", "llama/hf_export"})
+    assert d.agrees() == _expect({"llama/train_ckpt", "llama/eval_report", "llama/hf_export"})
     (d.folder / "llama.yaml").write_text(old)
     cfg = yaml.safe_load((d.folder / "gpt.yaml").read_text())
     cfg["eval"] = {"batch_size": 2}  # evaluation settings: only the evaluation
     (d.folder / "gpt.yaml").write_text(yaml.safe_dump(cfg))
-    assert d.stale() == _expect({"gpt/eval_report"})
+    assert d.agrees() == _expect({"gpt/eval_report"})
     (d.folder / "gpt.yaml").write_text(yaml.safe_dump({k: v for k, v in cfg.items() if k != "eval"}))
-    assert d.stale() == _expect(set())  # reverted
+    assert d.agrees() == _expect(set())  # reverted
 
     # the data's content: a document appended to a training shard, seen once the source is observed
     shard = Path(yaml.safe_load((d.folder / "gpt.yaml").read_text())["data"]["train_urls"][0])
     text = shard.read_text()
     shard.write_text(text + json.dumps({"text": "def appended():\n    return 1\n"}) + "\n")
-    assert d.stale() == _expect(set())  # not observed yet
+    assert d.stale() == _expect(set())  # not observed yet (the plan, which reads the data, already sees it)
+    assert d.misses() == _both(*LINEAGE)
     assert d.run(OBSERVE_JOB).success
-    assert d.stale() == _expect(_both(*LINEAGE))
+    assert d.agrees() == _expect(_both(*LINEAGE))
     shard.write_text(text)  # revert the data
     assert d.run(OBSERVE_JOB).success
-    assert d.stale() == _expect(set())
+    assert d.agrees() == _expect(set())
 
     # again with nothing changed: every stage a hit
     again = _materializations(d.run())
