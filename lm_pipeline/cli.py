@@ -188,6 +188,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     cmd, rest = argv[0], argv[1:]
     args, overrides = _parser(cmd).parse_known_args(rest)
+    if cmd == "generate":  # argument errors before any checkpoint is read
+        from lm_pipeline.generate import SamplingError, check_sampling
+
+        try:
+            check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+        except SamplingError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.experiment is not None:
         if args.config_path is not None:
             print("lm-pipeline: give --experiment NAME or --config_path FILE, not both", file=sys.stderr)

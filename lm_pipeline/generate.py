@@ -206,19 +206,32 @@ def _check_generate_args(model: LmModel, ids: np.ndarray, max_new_tokens: int, t
     """Raise ValueError naming the first argument of :func:`generate` that is out of range."""
     if ids.ndim != 2 or ids.shape[1] == 0:
         raise ValueError(f"prompt_ids must be [P] or [B, P] with P >= 1, got shape {ids.shape}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
     seq_len = getattr(getattr(model, "config", None), "seq_len", None)
     if getattr(getattr(model, "config", None), "type", None) == "gpt2" and ids.shape[1] + max_new_tokens > seq_len:
         raise ValueError(
             f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the model's seq_len ({seq_len})"
         )
+
+
+class SamplingError(ValueError):
+    """A generation argument out of range; the message names the argument and what is allowed."""
+
+
+def check_sampling(max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+                   top_p: float | None = None) -> None:
+    """Refuse sampling settings that cannot mean anything, before any model is loaded."""
+    problems = []
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        problems.append(f"max_new_tokens must be >= 1 (the number of tokens to generate), got {max_new_tokens}")
+    if not np.isfinite(temperature) or temperature < 0:
+        problems.append(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        problems.append(f"top_k must be >= 1 (or unset: no top-k cut), got {top_k}")
+    if top_p is not None and not (0 < top_p <= 1):
+        problems.append(f"top_p must be in (0, 1] (or unset: no nucleus cut), got {top_p}")
+    if problems:
+        raise SamplingError("; ".join(problems))
 
 
 def generate_text(
@@ -243,6 +256,7 @@ def generate_text(
     from lm_pipeline.data.tokenizer import load_tokenizer, tokenizer_info
     from lm_pipeline.eval import load_model_from_checkpoint
 
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
     loaded = load_model_from_checkpoint(step_dir, dtype=dtype)
     if loaded.tokenizer_dir is None:
         raise FileNotFoundError(f"{os.fspath(step_dir)}: the checkpoint has no tokenizer/ dir")

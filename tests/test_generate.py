@@ -185,3 +185,38 @@ def test_generate_text_from_checkpoint(tmp_path, tokdir):
     assert text == tok.decode(new, skip_special_tokens=True)
     assert generate_text(step_dir, ["alpha beta", "alpha beta"], N) == [text, text]
     assert isinstance(generate_text(step_dir, "", N), str)  # starts from EOS
+
+
+@pytest.mark.parametrize("flags,names", [
+    (["--max_new_tokens", "0"], ["max_new_tokens"]),
+    (["--max_new_tokens", "-5"], ["max_new_tokens"]),
+    (["--temperature", "-1"], ["temperature"]),
+    (["--top_p", "0"], ["top_p"]),
+    (["--top_k", "0"], ["top_k"]),
+    (["--top_k", "0", "--top_p", "1.5"], ["top_k", "top_p"]),
+])
+def test_generate_refuses_bad_sampling_arguments_in_one_line_before_reading_anything(flags, names):
+    """``lm-pipeline generate`` with an argument out of range: exit 2, one line naming the
+    argument and what is allowed, no traceback -- before the (here missing) checkpoint is read."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "lm_pipeline.cli", "generate", "--checkpoint_path", "/nonexistent/ckpt",
+                          "--prompt", "x", *flags], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "LM_PIPELINE_NO_TCMALLOC": "1", "JAX_PLATFORMS": "cpu"})
+    err = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and len(err) == 1, out.stderr[-2000:]
+    assert err[0].startswith("error: ") and "/nonexistent" not in err[0]
+    for name in names:
+        assert f"{name} must be" in err[0]
+
+
+def test_sampling_arguments_are_checked_by_the_library_too():
+    from lm_pipeline.generate import SamplingError, check_sampling
+
+    check_sampling(1, 0.0, None, None)
+    check_sampling(8, 0.7, 40, 1.0)  # the edges that are allowed
+    for args in ((0,), (4, -0.1), (4, float("nan")), (4, 1.0, 0), (4, 1.0, None, 0.0), (4, 1.0, None, 1.01)):
+        with pytest.raises(SamplingError):
+            check_sampling(*args)
