@@ -189,14 +189,66 @@ def _prepare(cfg: RunConfig, train_data: SequenceDataset, vocab_size: int, data_
     return _Run(cfg, plan, num_steps, run_id, run_dir, source, fns, checkpointer)
 
 
+#: Errors of a checkpoint's bytes (TensorStore / Orbax status texts), as opposed to a mismatch
+#: between the checkpoint and the model (which must never move a good checkpoint aside).
+_DAMAGE = ("DATA_LOSS", "NOT_FOUND", "No such file", "corrupt", "Error decoding", "truncated", "OUT_OF_RANGE")
+
+
+def _damage(path: str, checkpointer: Checkpointer, abstract_state) -> tuple[list[str], Any]:
+    """(what is wrong with checkpoint ``path``, its state if intact)."""
+    from lm_pipeline.train.checkpoint import read_metadata, verify
+
+    problems = verify(path, read_metadata(path))
+    if problems:
+        return problems, None
+    try:
+        with_state = checkpointer.load(path, abstract_state)
+    except Exception as e:  # Orbax wraps TensorStore's status in a plain Exception
+        chain, err = [], e
+        while err is not None and len(chain) < 8:
+            chain.append(err)
+            err = err.__cause__ or err.__context__
+        damaged = next((c for c in chain if any(mark in str(c) for mark in _DAMAGE)), None)
+        if damaged is None:
+            raise
+        return [f"unreadable ({str(damaged).splitlines()[0][:200]})"], None
+    return [], with_state
+
+
+def _resume_from_intact(run: _Run) -> tuple[str | None, Any]:
+    """The newest intact checkpoint of the run and its state (None, None: start afresh).
+
+    A damaged checkpoint (a file missing, truncated or altered since it was written, or arrays
+    that cannot be read) of the run's own directory is moved aside to ``.damaged/`` with a one-line
+    warning, and the next older one is tried. A checkpoint named by ``trainer.load_checkpoint_path``
+    is the user's: damage there is an error naming it."""
+    from lm_pipeline.train.checkpoint import move_aside
+
+    with run.plan.mesh:
+        while True:
+            path = _find_resume_path(run.cfg, run.run_dir)
+            if path is None:
+                return None, None
+            problems, state = _damage(path, run.checkpointer, run.fns.abstract_state)
+            if not problems:
+                return path, state
+            what = f"checkpoint {path} is damaged: {'; '.join(problems[:3])}" + (
+                f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+            if run.cfg.trainer.load_checkpoint_path or jax.process_count() > 1:
+                raise ConfigError("trainer.load_checkpoint_path" if run.cfg.trainer.load_checkpoint_path
+                                  else "trainer.load_checkpoint",
+                                  f"{what}; point trainer.load_checkpoint_path at an intact checkpoint")
+            moved = move_aside(path)
+            log.warning("%s; moved it aside to %s and resuming from the newest intact checkpoint", what, moved)
+
+
 def _restore_or_init(run: _Run) -> tuple[TrainState, str | None]:
     """The run's latest complete checkpoint, else a fresh state (weights from
     ``trainer.initialize_from`` if set); and the checkpoint resumed from, if any."""
     tc = run.cfg.trainer
-    resume_path = _find_resume_path(run.cfg, run.run_dir)
+    resume_path, state = _resume_from_intact(run)
     with run.plan.mesh:
         if resume_path is not None:
-            state = run.checkpointer.load(resume_path, run.fns.abstract_state)
             log.info("resumed from %s at step %d", resume_path, int(state.step))
         else:
             state = run.fns.init(jax.random.key_data(jax.random.key(tc.seed)))

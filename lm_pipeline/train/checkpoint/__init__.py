@@ -19,6 +19,8 @@ Modules, one job each:
 * :mod:`.retention`: pruning by the keep policy and the ``best/`` copy.
 * :mod:`.discovery`: :func:`latest_checkpoint`, :func:`read_metadata`.
 * :mod:`.restore`: :func:`load` (elastic restore).
+* :mod:`.integrity`: the files a checkpoint holds (sizes, sha256), verified before resuming;
+  damaged checkpoints moved aside to ``.damaged/``.
 
 Every public name is importable from ``lm_pipeline.train.checkpoint``; the submodules load on
 first use, so the run config (which needs only :class:`CheckpointerConfig`) stays free of JAX.
@@ -31,6 +33,10 @@ from lm_pipeline.lazy import lazy_exports
 # Public name -> its submodule, loaded on first access (PEP 562).
 _EXPORTS = {
     "CheckpointerConfig": "policy",
+    "DAMAGED_DIR": "integrity",
+    "file_digests": "integrity",
+    "move_aside": "integrity",
+    "verify": "integrity",
     "KeepPolicy": "policy",
     "parse_duration": "policy",
     "BEST_DIR": "marker",

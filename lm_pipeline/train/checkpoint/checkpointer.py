@@ -25,6 +25,7 @@ from lm_pipeline.faultpoints import faultpoint
 from lm_pipeline.train.checkpoint.commit import TIMEOUT_S, MultiProcessCommit, log_on_primary
 from lm_pipeline.train.checkpoint.discovery import latest_checkpoint, read_metadata
 from lm_pipeline.train.checkpoint.flatten import new_pytree_handler, prepare_state
+from lm_pipeline.train.checkpoint.integrity import file_digests
 from lm_pipeline.train.checkpoint.marker import (
     BEST_DIR,
     MARKER,
@@ -290,6 +291,7 @@ class Checkpointer:
 
     def _complete(self, job: _Save) -> list[str]:
         """Process 0, every part written: the marker, then ``best/``, then pruning (what was removed)."""
+        job.marker["files"] = file_digests(job.path)  # what resuming checks before trusting it
         stamp_complete(job.marker)
         faultpoint("checkpoint.before_marker")  # arrays written, marker not yet
         self._write_marker(job.path, job.marker)

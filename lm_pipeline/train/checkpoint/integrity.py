@@ -1,0 +1,85 @@
+"""Checkpoint integrity: what a complete checkpoint holds, checked before it is trusted.
+
+At save, once every part is written and before the completion marker, the marker records each
+file of the step dir with its size and sha256 (``marker["files"]``). Before a run resumes from a
+checkpoint, :func:`verify` compares the dir with that record: a missing, truncated or altered
+file makes it *damaged*. :func:`move_aside` then renames the dir into ``<parent>/.damaged/``
+(never deletes it: the bytes stay for inspection) so the run resumes from the newest intact one.
+
+Local directories are hashed; on object stores the record is empty (nothing is verified yet).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+
+from lm_pipeline import fs
+from lm_pipeline.train.checkpoint.marker import MARKER
+
+__all__ = ["DAMAGED_DIR", "file_digests", "move_aside", "verify"]
+
+#: Where damaged checkpoints are moved, beside the step dirs (hidden: discovery skips it).
+DAMAGED_DIR = ".damaged"
+_CHUNK = 1 << 20
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_digests(step_dir: str) -> dict[str, dict]:
+    """Relative path -> ``{"size", "sha256"}`` of every file of a local step dir (the marker
+    excluded); ``{}`` for a dir on an object store."""
+    if not fs.is_local(step_dir):
+        return {}
+    root = fs.local_path(step_dir)
+    out: dict[str, dict] = {}
+    for parent, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(parent, name)
+            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            if rel == MARKER:
+                continue
+            out[rel] = {"size": os.path.getsize(full), "sha256": _sha256(full)}
+    return out
+
+
+def verify(step_dir: str, marker: dict) -> list[str]:
+    """What is wrong with a complete checkpoint's files against its marker's record (empty:
+    intact, or nothing recorded to check against)."""
+    recorded: dict[str, dict] = marker.get("files") or {}
+    if not recorded or not fs.is_local(step_dir):
+        return []
+    root = fs.local_path(step_dir)
+    problems = []
+    for rel, want in sorted(recorded.items()):
+        full = os.path.join(root, *rel.split("/"))
+        if not os.path.isfile(full):
+            problems.append(f"{rel} is missing")
+            continue
+        size = os.path.getsize(full)
+        if size != want.get("size"):
+            problems.append(f"{rel} has {size} bytes, {want.get('size')} were written")
+        elif _sha256(full) != want.get("sha256"):
+            problems.append(f"{rel} has changed since it was written (sha256 differs)")
+    return problems
+
+
+def move_aside(step_dir: str) -> str:
+    """Rename a damaged checkpoint dir to ``<parent>/.damaged/<name>-<UTC time>``; returns the new
+    path. Its marker goes with it, so it is never found as a checkpoint again."""
+    root = fs.local_path(step_dir).rstrip(os.sep)
+    parent, name = os.path.split(root)
+    target_dir = os.path.join(parent, DAMAGED_DIR)
+    os.makedirs(target_dir, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S%fZ")
+    target = os.path.join(target_dir, f"{name}-{stamp}")
+    os.replace(root, target)
+    return target
