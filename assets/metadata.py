@@ -66,6 +66,10 @@ def raw_shards(res) -> dict[str, Any]:
             rows.append(dg.TableRecord({"split": split, "shard": str(sh.get("name")), "records": int(sh.get("records") or 0),
                                         "valid": int(sh.get("valid") or 0),
                                         "skipped": int(sum((sh.get("skipped") or {}).values()))}))
+    if res.manifest.get("shards"):
+        from lm_pipeline.steps.builders import data_summary
+
+        md["data_summary"] = dg.MetadataValue.text(data_summary(res.manifest))
     if rows:
         md["shards"] = dg.MetadataValue.table(rows[:200], schema=dg.TableSchema(columns=[
             dg.TableColumn("split", "string"), dg.TableColumn("shard", "string"), dg.TableColumn("records", "int"),

@@ -222,6 +222,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(pipe.plan_text())
                 return 0
             res = pipe.build(BUILD_COMMANDS[cmd])
+            raw = pipe.cached("raw_shards")
+            if raw is not None:  # what the data kept and skipped, also when it was built before
+                from lm_pipeline.steps.builders import data_summary
+
+                print(f"data: {data_summary(raw.manifest)}", file=sys.stderr)
             where = {"path": res.path, **({"run_dir": res.manifest["run_dir"]} if "run_dir" in res.manifest else {})}
             print(json.dumps({**where, "hit": res.hit, **res.summary}, indent=2, default=str))
             return 0

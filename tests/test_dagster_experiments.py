@@ -112,6 +112,9 @@ def test_two_experiments_share_stages_and_go_stale_exactly_as_the_plan_says(tmp_
     for stage in SHARED:
         assert [m.metadata["cache_hit"].value for m in mats[f"shared/{stage}"]] == [False], stage
         assert mats[f"shared/{stage}"][0].metadata["experiments"].value == "gpt, llama"
+    raw = mats["shared/raw_shards"][0].metadata
+    assert raw["data_summary"].value == (f"kept {raw['valid'].value} of {raw['records'].value} records "
+                                         f"(train {raw['valid'].value - 2}, validation 2); skipped 0")
     for n in NAMES:
         for stage in OWN:
             assert [m.metadata["cache_hit"].value for m in mats[f"{n}/{stage}"]] == [False]

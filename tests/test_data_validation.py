@@ -237,3 +237,32 @@ def test_valid_records_of_a_planted_corpus_all_reach_the_cache(tmp_path):
     assert cache.num_bytes == sum(len(t.encode("utf-8")) for t in valid)
     tok = load_tokenizer(tok_dir)
     assert [tok.decode(cache.doc(i)[:-1].tolist()) for i in range(cache.num_docs)] == valid
+
+
+def test_cache_command_says_what_the_data_kept_and_skipped(tmp_path, capsys, monkeypatch):
+    """``lm-pipeline cache`` under ``skip``: one line with the records kept per split and every
+    skip reason counted -- also when the data was built before (a cache hit)."""
+    import os
+    import sys
+
+    import yaml
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+    import pipeline_testing as pt
+
+    from lm_pipeline.cli import main
+
+    monkeypatch.setenv("LM_PIPELINE_NO_TCMALLOC", "1")
+    p, valid, counts = _planted(tmp_path)
+    val = _jsonl(tmp_path / "val.jsonl", [json.dumps({"text": f"validation text {i}"}).encode() for i in range(2)])
+    cfg = pt.tiny_config(tmp_path)
+    cfg["data"].update({"train_urls": [str(p)], "validation_urls": [str(val)], "on_invalid": "skip"})
+    path = tmp_path / "planted.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    expected = (f"data: kept {len(valid) + 2} of {len(valid) + sum(counts.values()) + 2} records "
+                f"(train {len(valid)}, validation 2); skipped {sum(counts.values())}: "
+                "invalid_utf8×6, not_string×6, bad_json×3, empty×3, missing_key×3, not_object×3")
+    for _ in range(2):  # built, then a cache hit
+        assert main(["cache", "--config_path", str(path), "--data.tokenizer.vocab_size", "270"]) == 0
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("data: ")]
+        assert lines == [expected]

@@ -22,6 +22,31 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def data_summary(manifest: dict[str, Any]) -> str:
+    """One line on what a raw_shards artifact kept and skipped, from its manifest:
+    ``kept 119 of 126 records (train 113, validation 6); skipped 7: invalid_json×5, empty×2``."""
+    kept: dict[str, int] = {}
+    records = 0
+    reasons: dict[str, int] = {}
+    partial = []
+    for split, rows in (manifest.get("shards") or {}).items():
+        for r in rows:
+            kept[split] = kept.get(split, 0) + int(r.get("valid") or 0)
+            records += int(r.get("records") or 0)
+            for reason, n in (r.get("skipped") or {}).items():
+                reasons[reason] = reasons.get(reason, 0) + int(n)
+            if r.get("complete") is False:
+                partial.append(str(r.get("name")))
+    skipped = sum(reasons.values())
+    line = f"kept {sum(kept.values())} of {records} records ({', '.join(f'{k} {v}' for k, v in kept.items())})"
+    line += f"; skipped {skipped}" + (": " + ", ".join(f"{k}×{v}" for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])))
+                                     if skipped else "")
+    if partial:
+        line += f"; read partly (kept the records before the damage): {', '.join(partial[:5])}" + (
+            f" and {len(partial) - 5} more" if len(partial) > 5 else "")
+    return line
+
+
 def raw_shards(pipe: Pipeline) -> StageResult:
     """Validate every shard under the configured policy; record per-shard counts."""
 
@@ -43,7 +68,11 @@ def raw_shards(pipe: Pipeline) -> StageResult:
         summary = {"num_shards": sum(len(v) for v in splits.values()), **totals, "splits": sorted(splits)}
         return summary, {"shards": splits}
 
-    return pipe.run("raw_shards", write)
+    res = pipe.run("raw_shards", write)
+    if not res.hit:
+        line = data_summary(res.manifest)
+        (log.warning if res.summary.get("skipped") else log.info)("raw_shards %s: %s", res.fingerprint, line)
+    return res
 
 
 def tokenizer(pipe: Pipeline) -> StageResult:
