@@ -40,6 +40,27 @@ COMMANDS = {
 }
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors a user causes and fixes (input data, tokenizer, token cache, checkpoint paths,
+    generation arguments): one line and exit 2, not a traceback. Imported only when an error
+    propagates (an ``except`` clause evaluates its expression then)."""
+    from lm_pipeline.data.cache.errors import CacheError
+    from lm_pipeline.data.tokenizer import TokenizerError
+    from lm_pipeline.data.validation import DataValidationError, ShardChangedError
+    from lm_pipeline.generate import SamplingError
+    from lm_pipeline.hf.files import UnsafeCheckpointError
+    from lm_pipeline.train.checkpoint import IncompleteCheckpointError
+
+    return (DataValidationError, ShardChangedError, TokenizerError, CacheError, IncompleteCheckpointError,
+            UnsafeCheckpointError, SamplingError, FileNotFoundError)
+
+
+def _debug(args: argparse.Namespace) -> bool:
+    import os
+
+    return bool(getattr(args, "debug", False)) or os.environ.get("LM_PIPELINE_DEBUG", "") not in ("", "0")
+
+
 def experiment_path(name: str) -> str | None:
     """``configs/experiments/<name>.yaml`` (of ``$LM_PIPELINE_EXPERIMENTS_DIR`` when set), the
     file the Dagster deployment names ``name``; None (after saying what exists) when missing."""
@@ -65,6 +86,7 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
                    help="an experiment of the Dagster deployment by name (as in its asset keys): "
                         "configs/experiments/NAME.yaml, or $LM_PIPELINE_EXPERIMENTS_DIR/NAME.yaml")
     p.add_argument("--log_level", default="INFO")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error (also $LM_PIPELINE_DEBUG=1)")
     if cmd in ("eval", "export", "generate"):
         p.add_argument("--checkpoint_path", required=True, help="a step-N dir, or a run dir (its latest checkpoint)")
     if cmd in ("eval", "export"):
@@ -252,6 +274,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except _user_errors() as e:  # bad data, tokenizer, cache, checkpoint path: the message names it
+        if _debug(args):
+            raise
+        text = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+        print(f"error: {text}  (--debug shows the traceback)", file=sys.stderr)
         return 2
     except FloatingPointError as e:  # a NaN/Inf loss without optimizer.skip_bad_steps
         print(f"error: {e}", file=sys.stderr)

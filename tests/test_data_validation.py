@@ -266,3 +266,31 @@ def test_cache_command_says_what_the_data_kept_and_skipped(tmp_path, capsys, mon
         assert main(["cache", "--config_path", str(path), "--data.tokenizer.vocab_size", "270"]) == 0
         lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("data: ")]
         assert lines == [expected]
+
+
+def test_a_data_error_under_fail_is_one_line_and_debug_shows_the_traceback(tmp_path):
+    """``lm-pipeline cache`` with ``on_invalid: fail`` on a bad record: exit 2 and one line naming
+    the file, the line and the fix; ``--debug`` gives the traceback instead."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+    import pipeline_testing as pt
+
+    p, _, _ = _planted(tmp_path)
+    cfg = pt.tiny_config(tmp_path)
+    cfg["data"].update({"train_urls": [str(p)], "on_invalid": "fail"})
+    path = tmp_path / "strict.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "LM_PIPELINE_NO_TCMALLOC": "1", "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "lm_pipeline.cli", "cache", "--config_path", str(path), "--log_level", "ERROR"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    errors = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and "planted.jsonl line 2" in errors[0], errors
+    assert "on_invalid" in errors[0]  # and what to do about it
+    debug = subprocess.run([*cmd, "--debug"], capture_output=True, text=True, timeout=300, env=env)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "DataValidationError" in debug.stderr
