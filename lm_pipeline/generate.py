@@ -23,6 +23,7 @@ temperature, ``top_p`` and the seed are traced values: changing them reuses the 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm_pipeline.compute import ComputePlan, plan_for_params
+
+logger = logging.getLogger(__name__)
 from lm_pipeline.models.base import LmModel
 from lm_pipeline.models.layers import unstack_layers
 
@@ -212,6 +215,10 @@ def _check_generate_args(model: LmModel, ids: np.ndarray, max_new_tokens: int, t
         raise ValueError(
             f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the model's seq_len ({seq_len})"
         )
+    if seq_len is not None and ids.shape[1] + max_new_tokens > seq_len:  # rotary positions: it runs, untrained
+        logger.warning("generating to position %d, past the %d positions the model was trained on: the text "
+                       "beyond them is extrapolation (lower max_new_tokens or shorten the prompt)",
+                       ids.shape[1] + max_new_tokens, seq_len)
 
 
 class SamplingError(ValueError):

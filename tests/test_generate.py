@@ -161,6 +161,21 @@ def test_argument_checks():
         generate(model, prompt(1, 3), 3, temperature=1.0, top_p=0.0)
 
 
+def test_llama_generation_past_its_trained_context_warns(caplog):
+    """Rotary positions run past seq_len, untrained: a warning says so; within it, none."""
+    import logging
+
+    model = make(LLAMA)
+    with caplog.at_level(logging.WARNING, logger="lm_pipeline.generate"):
+        generate(model, prompt(1, 4), N)
+    assert not [r for r in caplog.records if "past the" in r.getMessage()]
+    with caplog.at_level(logging.WARNING, logger="lm_pipeline.generate"):
+        out = generate(model, prompt(1, 60), 8)
+    assert out.shape == (1, 68)
+    warned = [r.getMessage() for r in caplog.records if "past the" in r.getMessage()]
+    assert len(warned) == 1 and "position 68, past the 64 positions" in warned[0]
+
+
 def write_checkpoint(base: pathlib.Path, cfg: LmConfig, model, tokdir: str, step: int = 7) -> str:
     """A checkpoint as the trainer writes it: TrainState (with optimizer state), config, tokenizer."""
     params = eqx.filter(model, eqx.is_array)

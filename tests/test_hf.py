@@ -250,6 +250,12 @@ def test_config_from_hf_rejects_unsupported():
     # transformers >= 5 writes rope_parameters instead of rope_theta
     v5 = {k: v for k, v in base.items() if k != "rope_theta"} | {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
     assert config_from_hf(v5).rope_theta == 500.0
+    # both forms, disagreeing: refused (transformers would use rope_parameters', silently)
+    both = {**base, "rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    with pytest.raises(ConfigError, match=r"rope_theta 10000.0 and rope_parameters.rope_theta 500000.0"):
+        config_from_hf(both)
+    agree = {**base, "rope_theta": 500000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 500000}}
+    assert config_from_hf(agree).rope_theta == 500000.0
     with pytest.raises(ConfigError, match="n_inner"):
         config_from_hf({**hf_config(GPT2, 50), "n_inner": 50})
 

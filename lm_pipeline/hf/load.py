@@ -51,7 +51,12 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
         kind = p.get("rope_type", p.get("type", "default"))
         if kind not in (None, "default"):
             raise ConfigError(where, f"rope type {kind!r} is not supported (only the default rotary embedding)")
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    top, nested = hf.get("rope_theta"), params.get("rope_theta")
+    if top is not None and nested is not None and float(top) != float(nested):
+        raise ConfigError("rope_theta", f"config.json sets rope_theta {top} and rope_parameters.rope_theta {nested}; "
+                          "transformers uses rope_parameters.rope_theta -- make the two agree (or drop the "
+                          "top-level one)")
+    theta = nested if nested is not None else top if top is not None else 10000.0
     return float(theta)
 
 
