@@ -294,3 +294,29 @@ def test_a_data_error_under_fail_is_one_line_and_debug_shows_the_traceback(tmp_p
     assert "on_invalid" in errors[0]  # and what to do about it
     debug = subprocess.run([*cmd, "--debug"], capture_output=True, text=True, timeout=300, env=env)
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "DataValidationError" in debug.stderr
+
+
+def test_a_corrupt_compressed_shard_under_skip_keeps_what_precedes_the_damage_and_says_so(tmp_path):
+    import gzip
+
+    from lm_pipeline.config import load_config
+    from lm_pipeline.steps import Pipeline
+    from lm_pipeline.steps.builders import data_summary
+
+    texts = [f"document {i}: " + "word " * 40 for i in range(300)]
+    whole = gzip.compress(("\n".join(json.dumps({"text": t}) for t in texts) + "\n").encode())
+    bad = tmp_path / "cut.jsonl.gz"
+    bad.write_bytes(whole[: len(whole) // 2])
+    good = _jsonl(tmp_path / "val.jsonl", [json.dumps({"text": "validation text"}).encode()])
+    cfg = load_config(None, {"data.train_urls": [str(bad)], "data.validation_urls": [good], "data.on_invalid": "skip",
+                             "store.root": str(tmp_path / "store")})
+    res = Pipeline(cfg, progress=False).raw_shards()
+    (row,) = res.manifest["shards"]["train"]
+    assert 0 < row["valid"] < len(texts) and "truncated or corrupt" in row["damaged"]
+    line = data_summary(res.manifest)
+    assert line.startswith(f"kept {row['valid'] + 1} of {row['records'] + 1} records (train {row['valid']}, validation 1)")
+    assert line.endswith(f"corrupt, read up to the damage (the records before it kept): {row['name']}")
+    # under fail the same shard is one error naming the file and the way out
+    strict = load_config(None, {"data.train_urls": [str(bad)], "store.root": str(tmp_path / "store2")})
+    with pytest.raises(DataValidationError, match=r"cut\.jsonl\.gz: the gzip stream is truncated or corrupt.*on_invalid: skip"):
+        Pipeline(strict, progress=False).raw_shards()

@@ -95,6 +95,9 @@ class ShardReport:
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)
     blank_lines: int = 0
     complete: bool = False
+    #: Under ``skip``: why the shard could be read only partly (a corrupt or truncated compressed
+    #: stream); the records before the damage are kept, the rest is unread. None: read whole.
+    damaged: str | None = None
 
     @property
     def invalid(self) -> int:
@@ -112,6 +115,7 @@ class ShardReport:
             "skipped": {r: self.skipped[r] for r in REASONS if r in self.skipped},
             "blank_lines": self.blank_lines,
             "complete": self.complete,
+            **({"damaged": self.damaged} if self.damaged else {}),
         }
 
 

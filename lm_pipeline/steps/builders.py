@@ -35,14 +35,14 @@ def data_summary(manifest: dict[str, Any]) -> str:
             records += int(r.get("records") or 0)
             for reason, n in (r.get("skipped") or {}).items():
                 reasons[reason] = reasons.get(reason, 0) + int(n)
-            if r.get("complete") is False:
+            if r.get("damaged"):
                 partial.append(str(r.get("name")))
     skipped = sum(reasons.values())
     line = f"kept {sum(kept.values())} of {records} records ({', '.join(f'{k} {v}' for k, v in kept.items())})"
     line += f"; skipped {skipped}" + (": " + ", ".join(f"{k}×{v}" for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])))
                                      if skipped else "")
     if partial:
-        line += f"; read partly (kept the records before the damage): {', '.join(partial[:5])}" + (
+        line += f"; corrupt, read up to the damage (the records before it kept): {', '.join(partial[:5])}" + (
             f" and {len(partial) - 5} more" if len(partial) > 5 else "")
     return line
 

@@ -32,6 +32,13 @@ def _truncated_gz() -> bytes:
     return data[: len(data) // 2]
 
 
+def _whole_gz_texts() -> list[str]:
+    """The texts of the file that _truncated_gz() cut in half."""
+    rng = random.Random(1)
+    words = ["alpha", "beta", "gamma", "delta", "x", "y", "zeta", "omega"]
+    return [" ".join(rng.choice(words) for _ in range(60)) for _ in range(200)]
+
+
 def _mixed() -> bytes:
     return b"\n".join([
         GOOD[0].encode(),
@@ -50,8 +57,8 @@ HOSTILE = {
                         {"skip": {"records": 3, "valid": 3, "skipped": {}}, "fail": {"records": 3, "valid": 3, "skipped": {}}}),
     "binary.jsonl": (_binary, {"skip": {"records": 10, "valid": 0, "skipped": {"invalid_utf8": 10}},
                                "fail": ("line 1", "invalid UTF-8", "on_invalid: skip")}),
-    "truncated.jsonl.gz": (_truncated_gz, {"skip": ("truncated or corrupt", "gzip", "re-download"),
-                                           "fail": ("truncated or corrupt", "gzip", "re-download")}),
+    "truncated.jsonl.gz": (_truncated_gz, {"skip": "read up to the damage",
+                                           "fail": ("truncated or corrupt", "gzip", "re-download", "on_invalid: skip")}),
     "mixed_encodings.jsonl": (_mixed, {"skip": {"records": 7, "valid": 3, "skipped": {"bad_json": 1, "invalid_utf8": 3}},
                                        "fail": ("line 2", "invalid UTF-8", "0xe9")}),
     "array.jsonl": (lambda: json.dumps([{"text": "a"}, {"text": "b"}, {"text": "c"}]).encode() + b"\n",
@@ -91,6 +98,15 @@ def test_hostile_shard_is_handled_per_policy(tmp_path, note, name, policy):
              lost="nothing: the run stops before any artifact is written")
         return
     (report,) = scan_shards(shards).values()
+    if expected == "read up to the damage":  # a corrupt stream under skip: what came before it is kept
+        texts = list(shards[0].iter_texts())
+        whole = _whole_gz_texts()
+        assert report.damaged and "truncated or corrupt" in report.damaged and "before the damage are kept" in report.damaged
+        assert 0 < report.valid == len(texts) < len(whole) and texts == whole[: len(texts)]
+        assert report.records == report.valid + report.invalid and set(report.skipped) <= {"bad_json"}
+        note(f"on_invalid skip: the first {report.valid} of {len(whole)} records kept, the damaged rest unread and "
+             "the shard marked damaged", lost="the unreadable rest of the file, reported as such")
+        return
     got = {k: v for k, v in report.to_dict().items() if k in expected}
     assert got == expected and report.complete
     dropped = sum(got["skipped"].values())

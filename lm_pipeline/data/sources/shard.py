@@ -16,6 +16,8 @@ Hugging Face shards get theirs when resolved, from the dataset's identity (see
 
 from __future__ import annotations
 
+import logging
+
 import hashlib
 import io
 import json
@@ -38,6 +40,8 @@ from lm_pipeline.data.validation import (
     ShardChangedError,
     ShardReport,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Shard", "iter_shard_texts", "scan_shards", "shard_fingerprint"]
 
@@ -135,11 +139,19 @@ class Shard:
                     yield from read_records(stream, s, report)
                 except DataValidationError as e:  # file-level problems raised without a source
                     raise DataValidationError(self.url, e.location, e.reason, e.detail, e.hint) from None
-                except CORRUPT_STREAM_ERRORS as e:  # under either policy: the rest of the file is unreadable
+                except CORRUPT_STREAM_ERRORS as e:  # the rest of the file is unreadable
+                    detail = f"the {s.compression or s.format} stream is truncated or corrupt ({type(e).__name__}: {e})"
+                    if "Not a gzipped file" in str(e):
+                        detail = ("the file is not gzip-compressed although its name ends in .gz (rename it without "
+                                  ".gz if it is plain text)")
+                    if s.on_invalid == "skip":  # keep what came before the damage, say so, go on
+                        report.damaged = f"{detail}; the records before the damage are kept, the rest is unread"
+                        logger.warning("%s: %s", self.url, report.damaged)
+                        return
                     raise DataValidationError(
-                        self.url, "", "corrupt_file",
-                        f"the {s.compression or s.format} stream is truncated or corrupt ({type(e).__name__}: {e})",
-                        "re-download or re-compress the file, or remove it from the data urls",
+                        self.url, "", "corrupt_file", detail,
+                        "re-download or re-compress the file, remove it from the data urls, or set "
+                        "data.on_invalid: skip to keep the records before the damage",
                     ) from None
                 digest = hashing.drain()
         expected = self._raw_sha256
