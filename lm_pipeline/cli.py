@@ -49,10 +49,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from lm_pipeline.data.validation import DataValidationError, ShardChangedError
     from lm_pipeline.generate import SamplingError
     from lm_pipeline.hf.files import UnsafeCheckpointError
+    from lm_pipeline.hf.load import HfWeightsError
     from lm_pipeline.train.checkpoint import IncompleteCheckpointError
 
     return (DataValidationError, ShardChangedError, TokenizerError, CacheError, IncompleteCheckpointError,
-            UnsafeCheckpointError, SamplingError, FileNotFoundError)
+            UnsafeCheckpointError, HfWeightsError, SamplingError, FileNotFoundError)
 
 
 def _debug(args: argparse.Namespace) -> bool:

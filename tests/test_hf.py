@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import pickle
+import re
 
 import equinox as eqx
 import jax
@@ -299,3 +300,25 @@ def test_export_shows_progress_and_passes_its_faultpoint(tmp_path, tokdir, capsy
     export_hf(make(LLAMA), tmp_path / "quiet", tokenizer_dir=tokdir)  # not a terminal: no bar
     assert "export" not in capsys.readouterr().err
     assert pathlib.Path(out, "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_weights_that_do_not_fit_the_config_name_the_tensor(family, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from lm_pipeline.hf.load import HfWeightsError
+
+    cfg = CONFIGS[family]
+    out = str(tmp_path / "hf")
+    export_hf(make(cfg), out)
+    # the config of another shape: the first tensor that does not fit is named, with its shape
+    small = dataclasses.replace(cfg, num_layers=1, hidden_dim=16)
+    with pytest.raises(HfWeightsError, match=r"tensor '[a-z_.0-9]+' of shape \(32, 32\) does not fit"):
+        load_hf_checkpoint(out, config=small, use_hf_model_config=False)
+    # a tensor missing from the weights: named
+    weights = load_file(f"{out}/model.safetensors")
+    gone = next(k for k in sorted(weights) if ".1." in k)  # one of the second layer's tensors
+    del weights[gone]
+    save_file(weights, f"{out}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HfWeightsError, match=rf"no tensor '{re.escape(gone)}'"):
+        load_hf_checkpoint(out)

@@ -30,7 +30,7 @@ from lm_pipeline.models.config import Gpt2Config, LlamaConfig, LmConfig
 from lm_pipeline.models.hf_mapping import from_hf_state_dict
 from lm_pipeline.schema import ConfigError, from_dict
 
-__all__ = ["config_from_hf", "load_hf_checkpoint"]
+__all__ = ["HfWeightsError", "config_from_hf", "load_hf_checkpoint"]
 
 
 _ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu_fast": "gelu_new",
@@ -152,6 +152,11 @@ def _resolve_source(source: str | os.PathLike, revision: str | None, cache_dir: 
     return local
 
 
+class HfWeightsError(ValueError):
+    """A Hugging Face checkpoint whose weights do not fit its config (a tensor missing or of
+    another shape); the message names the tensor."""
+
+
 def load_hf_checkpoint(
     source: str | os.PathLike,
     *,
@@ -200,7 +205,15 @@ def load_hf_checkpoint(
     if emb not in state:
         raise ValueError(f"{local}: no {emb!r} tensor; is this a {cfg.type} causal LM checkpoint?")
     vocab = int(state[emb].shape[0])
-    model = from_hf_state_dict(cfg, state, vocab)
+    try:
+        model = from_hf_state_dict(cfg, state, vocab)
+    except KeyError as e:
+        raise HfWeightsError(f"{local}: the weights have no tensor {e.args[0]!r}, which the {cfg.type} of the config "
+                             f"({cfg.num_layers} layers) needs; the weights and the config do not match") from None
+    except ValueError as e:
+        raise HfWeightsError(f"{local}: {str(e).splitlines()[0]} ({cfg.type}, hidden {cfg.hidden_dim}, "
+                             f"{cfg.num_heads} heads, {cfg.num_layers} layers); the weights and the config do not "
+                             "match") from None
     if dtype is not None:
         from lm_pipeline.train.trainer import cast_floating
 

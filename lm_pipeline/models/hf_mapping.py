@@ -76,16 +76,32 @@ def to_hf_state_dict(model: LmModel, cfg: LmConfig) -> dict[str, np.ndarray]:
     raise TypeError(f"no Hugging Face mapping for {type(cfg).__name__}")
 
 
+class _Reading(dict):
+    """A state dict that remembers the last tensor read (to name it when a reshape fails)."""
+
+    last: str | None = None
+
+    def __getitem__(self, key):
+        self.last = key
+        return super().__getitem__(key)
+
+
 def from_hf_state_dict(cfg: LmConfig, state: dict[str, Any], vocab_size: int) -> LmModel:
     """A model for ``cfg`` holding the HF weights in ``state`` (values: numpy or array-likes;
     CPU torch tensors work). Parameters are float32, as from ``cfg.build``."""
-    state = {k: np.asarray(v, dtype=np.float32) for k, v in state.items()}
-    if isinstance(cfg, Gpt2Config):
-        named = _gpt2_from_hf(cfg, state)
-    elif isinstance(cfg, LlamaConfig):
-        named = _llama_from_hf(cfg, state)
-    else:
-        raise TypeError(f"no Hugging Face mapping for {type(cfg).__name__}")
+    state = _Reading((k, np.asarray(v, dtype=np.float32)) for k, v in state.items())
+    try:
+        if isinstance(cfg, Gpt2Config):
+            named = _gpt2_from_hf(cfg, state)
+        elif isinstance(cfg, LlamaConfig):
+            named = _llama_from_hf(cfg, state)
+        else:
+            raise TypeError(f"no Hugging Face mapping for {type(cfg).__name__}")
+    except ValueError as e:  # a reshape that does not fit: name the tensor
+        if state.last is None:
+            raise
+        shape = tuple(dict.__getitem__(state, state.last).shape)
+        raise ValueError(f"tensor {state.last!r} of shape {shape} does not fit the model config: {e}") from None
     skeleton = eqx.filter_eval_shape(cfg.build, vocab_size, key=jax.random.PRNGKey(0))
     wanted = named_params(skeleton)
     return replace_params(skeleton, {k: v for k, v in named.items() if k in wanted})
