@@ -133,6 +133,33 @@ def _tokenizer_files(tok_dir: str) -> dict[str, Path]:
             if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
 
 
+def continuation_hint(pipe: Pipeline) -> str | None:
+    """When this run starts from step 0 while a run of the same config but for another number of
+    steps exists in the store: how to continue that one instead (one line), else None."""
+    mine = pipe.stage_config("train_ckpt")
+
+    def without_steps(conf: Any) -> Any:
+        conf = json.loads(json.dumps(conf, default=str))
+        for section in ("trainer",):
+            if isinstance(conf.get(section), dict):
+                conf[section] = {k: v for k, v in conf[section].items() if k not in ("num_train_steps", "train_tokens",
+                                                                                    "num_epochs")}
+        return conf
+
+    want = without_steps(mine)
+    fp = pipe.address("train_ckpt").fingerprint
+    inputs = pipe.address("train_ckpt").inputs
+    for m in reversed(pipe.store.complete("train_ckpt")):
+        if m.get("fingerprint") == fp or m.get("inputs") != inputs or without_steps(m.get("config") or {}) != want:
+            continue
+        final = (m.get("summary") or {}).get("final_checkpoint") or m.get("run_dir")
+        steps = (m.get("summary") or {}).get("final_step")
+        return (f"train_ckpt: starting a new run from step 0; a run of this config trained to step {steps} is at "
+                f"{m.get('run_dir')} -- to continue it instead (its weights and optimizer state, the schedule "
+                f"recomputed for the new length), add --trainer.load_checkpoint_path {final}")
+    return None
+
+
 def train_ckpt(pipe: Pipeline, hooks: Sequence = ()) -> StageResult:
     """Train (resuming from the run's latest checkpoint); the manifest marks the run finished."""
     cache = pipe.token_cache()
@@ -145,6 +172,10 @@ def train_ckpt(pipe: Pipeline, hooks: Sequence = ()) -> StageResult:
 
         train_ds, evals, tok_dir, vocab = pipe.datasets(cache)
         run_dir = pipe.run_dir()
+        if latest_checkpoint(run_dir) is None and not pipe.cfg.trainer.load_checkpoint_path:
+            hint = continuation_hint(pipe)
+            if hint:
+                log.warning("%s", hint)
         # Levanter's hf_save_steps: export every N steps, and once more at the end.
         hf_hook = export_hook(pipe.export_config, run_dir=run_dir, tokenizer_dir=tok_dir)
         res = train(pipe.cfg, train_data=train_ds, vocab_size=vocab, eval_data=evals,
