@@ -510,3 +510,29 @@ if __name__ == "__main__":
     if sys.argv[1:] != ["--regenerate"]:
         sys.exit(f"usage: {REGENERATE}")
     regenerate()
+
+
+def test_the_configuration_references_fingerprint_column_is_what_the_fingerprints_do():
+    """docs/configuration.md says per field whether it is part of a fingerprint; that column must
+    agree with :data:`STAGE_OF` (checked against the real hashes above) for every field."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text(encoding="utf-8")
+    section = None
+    said: dict[str, bool] = {}
+    for line in text.splitlines():
+        m = re.match(r"^## `([^`]*)`", line)
+        if m:
+            raw = m.group(1)
+            kind = re.match(r"^(.*) \(type: (\w+)\)$", raw)
+            section = f"{kind.group(1)}[{kind.group(2)}]" if kind else ("" if raw == "(top level)" else raw)
+            continue
+        row = re.match(r"^\| `(\w+)`[^|]*\|.*\| (yes|no) \|$", line)
+        if row and section is not None:
+            name = f"{section}.{row.group(1)}" if section else row.group(1)
+            said[name] = row.group(2) == "yes"
+    classified = {name: stage is not None for name, stage in STAGE_OF.items()}
+    common = set(said) & set(classified)
+    assert len(common) >= 0.9 * len(classified), sorted(set(classified) - set(said))[:20]
+    wrong = sorted(n for n in common if said[n] != classified[n])
+    assert not wrong, f"docs/configuration.md's fingerprint column is wrong for {wrong}"
