@@ -264,8 +264,10 @@ def test_cache_command_says_what_the_data_kept_and_skipped(tmp_path, capsys, mon
                 "invalid_utf8×6, not_string×6, bad_json×3, empty×3, missing_key×3, not_object×3")
     for _ in range(2):  # built, then a cache hit
         assert main(["cache", "--config_path", str(path), "--data.tokenizer.vocab_size", "270"]) == 0
-        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("data: ")]
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("data: ")]
         assert lines == [expected]
+        assert "%|" not in err and "\r" not in err  # no progress bars written into a log (not a terminal)
 
 
 def test_a_data_error_under_fail_is_one_line_and_debug_shows_the_traceback(tmp_path):

@@ -85,7 +85,8 @@ def tokenizer(pipe: Pipeline) -> StageResult:
 
         tok = pipe.cfg.data.tokenizer
         if tok.kind == "bpe":
-            info = build_tokenizer(tok, path, iter_shard_texts(pipe.shards()["train"]), progress=pipe.progress)
+            info = build_tokenizer(tok, path, iter_shard_texts(pipe.shards()["train"]),
+                                   progress=None if pipe.progress else False)  # a bar on a terminal only
         else:
             info = build_tokenizer(tok, path)
         return {"vocab_size": info.vocab_size, "eos_id": info.eos_id, "bos_id": info.bos_id}, {}
