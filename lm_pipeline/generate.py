@@ -34,12 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm_pipeline.compute import ComputePlan, plan_for_params
-
-logger = logging.getLogger(__name__)
 from lm_pipeline.models.base import LmModel
 from lm_pipeline.models.layers import unstack_layers
 
-__all__ = ["generate", "generate_text", "select_tokens"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["SamplingError", "check_sampling", "generate", "generate_text", "select_tokens"]
 
 
 def select_tokens(

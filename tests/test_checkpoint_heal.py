@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
+from lm_pipeline import faultpoints
 from lm_pipeline.batch import ArrayDataset
 from lm_pipeline.config import load_config
-from lm_pipeline import faultpoints
 from lm_pipeline.faultpoints import FaultInjected
 from lm_pipeline.train.checkpoint import MARKER, latest_checkpoint
 from lm_pipeline.train.run import train

@@ -4,8 +4,6 @@ once, cursor, per experiment) and the schedules evaluated by Dagster."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 

@@ -18,7 +18,7 @@ from dagster._core.loader import LoadingContextForTest
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import pipeline_testing as pt  # noqa: E402
 
-from assets.deployment import COMPARISON_KEY, Deployment  # noqa: E402
+from assets.deployment import Deployment  # noqa: E402
 from assets.experiment import load_experiments  # noqa: E402
 from assets.pipeline import (  # noqa: E402
     LINEAGE,

@@ -16,11 +16,10 @@ Hugging Face shards get theirs when resolved, from the dataset's identity (see
 
 from __future__ import annotations
 
-import logging
-
 import hashlib
 import io
 import json
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 
