@@ -72,6 +72,30 @@ def norm(path: PathLike) -> str:
     return local_path(path) if is_local(path) else os.fspath(path).rstrip("/")
 
 
+#: The package behind each object-store scheme (fsspec names it in its own error otherwise).
+_FS_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
+                "abfss": "adlfs", "hf": "huggingface_hub"}
+
+
+def url_problem(url: PathLike) -> str | None:
+    """Why ``url`` cannot be opened on this machine (an unknown scheme, or its filesystem package
+    missing), in one line with what to do; None when it can (local paths always can). Reads
+    nothing: credentials and buckets are checked when the URL is first used."""
+    text = os.fspath(url)
+    if is_local(text):
+        return None
+    scheme = text.split("://", 1)[0].split("::")[-1]
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError:
+        package = _FS_PACKAGES.get(scheme, f"the fsspec implementation of {scheme}://")
+        return f"{text}: reading {scheme}:// needs the {package} package, which is not installed (pip install {package})"
+    except ValueError:
+        return (f"{text}: unknown URL scheme {scheme!r}; use a local path or a URL fsspec knows "
+                "(s3://, gs://, az://, https://, memory://, ...)")
+    return None
+
+
 def get_fs(path: PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem for ``path`` and the path in that filesystem's terms."""
     if is_local(path):

@@ -45,6 +45,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], tuple[str, ...]]]:
         "a truncated .gz under fail": (["cache", "--config_path", _config(tmp, "c4", train_urls=[str(cut)],
                                                                             on_invalid="fail")],
                                        ("cut.jsonl.gz", "truncated or corrupt", "on_invalid: skip")),
+        "a data URL of an unknown scheme": (["plan", "--config_path", _config(tmp, "c5", train_urls=["foo://b/x.jsonl"])],
+                                            ("data.train_urls", "foo://b/x.jsonl", "unknown URL scheme 'foo'")),
+        "a store URL of an unknown scheme": (["plan", "--config_path", _config(tmp, "c6"), "--store.root", "bar://b/s"],
+                                             ("store.root", "unknown URL scheme 'bar'")),
         "max_new_tokens 0": (["generate", "--checkpoint_path", str(tmp), "--prompt", "x", "--max_new_tokens", "0"],
                              ("max_new_tokens must be >= 1",)),
         "max_new_tokens -5": (["generate", "--checkpoint_path", str(tmp), "--prompt", "x", "--max_new_tokens", "-5"],
@@ -59,6 +63,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], tuple[str, ...]]]:
 
 
 NAMES = ["unknown config field", "invalid record under fail", "a .gz that is plain text", "a truncated .gz under fail",
+         "a data URL of an unknown scheme", "a store URL of an unknown scheme",
          "max_new_tokens 0", "max_new_tokens -5", "temperature -1", "top_p 0", "top_k 0", "no checkpoint there"]
 
 

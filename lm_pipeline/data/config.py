@@ -95,6 +95,19 @@ class DataConfig:
             data["tokenizer"] = {"kind": "hf", "name_or_path": tok}
         return data
 
+    def url_problems(self) -> list[tuple[str, str]]:
+        """(field, problem) for each shard URL this machine cannot open (:func:`lm_pipeline.fs.url_problem`)."""
+        from lm_pipeline.fs import url_problem
+
+        out = []
+        for where, urls in (("train_urls", self.train_urls), ("validation_urls", self.validation_urls),
+                            *((f"validation.{n}", u) for n, u in self.validation.items())):
+            for url in urls:
+                problem = url_problem(url)
+                if problem:
+                    out.append((where, problem))
+        return out
+
     def train_sources(self) -> list[str]:
         """Names of the fields that provide training data (at most one may be set)."""
         return [n for n, on in (("train_urls", bool(self.train_urls)), ("hf_id", self.hf_id is not None), ("builtin", self.builtin is not None)) if on]

@@ -87,9 +87,17 @@ class Pipeline:
         return self._export_config if self._export_config is not None else self.cfg.export
 
     def preflight(self) -> None:
-        """Checks that need the runtime (device count) but no compute: fail before any work."""
+        """Checks that need this machine (device count, filesystems for the URLs) but no compute:
+        fail before any work, naming the config field."""
         import jax
 
+        from lm_pipeline.fs import url_problem
+
+        for where, problem in self.cfg.data.url_problems():
+            raise ConfigError(f"data.{where}", problem)
+        problem = url_problem(self.store.root)
+        if problem:
+            raise ConfigError("store.root", problem)
         self.cfg.trainer.check_devices(jax.device_count())
 
     @property
