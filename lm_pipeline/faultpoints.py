@@ -40,6 +40,7 @@ ENV_TRACE = "LM_PIPELINE_FAULTPOINT_TRACE"
 ENV_ONCE = "LM_PIPELINE_FAULTPOINT_ONCE"
 
 _counts: dict[str, int] = {}
+_counted_under: list[str] = [""]  # the $LM_PIPELINE_FAULTPOINT value the counts belong to
 _lock = threading.Lock()
 
 
@@ -94,6 +95,10 @@ def faultpoint(name: str, prepare: Callable[[], None] | None = None) -> None:
     if not items:
         return
     with _lock:
+        spec = os.environ.get(ENV, "")
+        if spec != _counted_under[0]:  # armed anew: passes count from this arming on
+            _counts.clear()
+            _counted_under[0] = spec
         n = _counts[name] = _counts.get(name, 0) + 1
     for nth, action in items:
         if nth is not None and nth != n:

@@ -52,6 +52,7 @@ def _cut(run_dir: Path, monkeypatch, after: int) -> None:
     with pytest.raises(FaultInjected):
         train(load_config(None, CFG), train_data=_data(), vocab_size=50, run_dir=str(run_dir))
     monkeypatch.delenv("LM_PIPELINE_FAULTPOINT")
+    faultpoints.reset()  # leave no counts behind for the next test that arms the point
 
 
 def _largest_state_file(step_dir: Path) -> Path:

@@ -49,3 +49,21 @@ def test_long_words_are_cut_for_bpe_training_only():
     pieces = list(_split_long_words([text, "short"]))
     assert "".join(pieces[:-1]) == text and pieces[-1] == "short"
     assert max(len(p) for p in pieces) == MAX_TRAIN_WORD
+
+
+def test_passes_count_from_each_new_arming(monkeypatch):
+    """A point armed anew (another $LM_PIPELINE_FAULTPOINT value) counts its passes from there,
+    whatever an earlier arming in the same process counted."""
+    from lm_pipeline import faultpoints as fp
+
+    fp.reset()
+    monkeypatch.setenv(fp.ENV, "demo.point:3:raise")
+    fp.faultpoint("demo.point")
+    fp.faultpoint("demo.point")
+    with pytest.raises(fp.FaultInjected, match="pass 3"):
+        fp.faultpoint("demo.point")
+    fp.faultpoint("demo.point")  # pass 4: nothing
+    monkeypatch.setenv(fp.ENV, "demo.point:2:raise")  # armed anew: pass 1, then 2 fires
+    fp.faultpoint("demo.point")
+    with pytest.raises(fp.FaultInjected, match="pass 2"):
+        fp.faultpoint("demo.point")
