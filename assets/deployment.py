@@ -126,7 +126,7 @@ class Deployment:
     def source_key(self, experiment: str) -> dg.AssetKey:
         """The observable data source under the experiment's ``raw_shards``."""
         raw = self.key(experiment, "raw_shards")
-        return dg.AssetKey([*raw.path[:-1], SOURCE if raw.path[-1] == "raw_shards" else f"{SOURCE}{raw.path[-1][10:]}"])
+        return dg.AssetKey([*raw.path[:-1], SOURCE + raw.path[-1].removeprefix("raw_shards")])
 
     def checkpoint_eval_key(self, experiment: str) -> dg.AssetKey:
         return dg.AssetKey([experiment, "checkpoint_eval"])

@@ -294,12 +294,12 @@ def _provenance(dep: Deployment, node: Node, pipe, used: Mapping[str, str]) -> d
     }
 
 
-def _lineage(res) -> dict[str, Any]:
+def _lineage(store, res) -> dict[str, Any]:
     """The artifact's chain back to its shards (``lm-pipeline lineage``), shown on the asset's page."""
     from lm_pipeline.steps.lineage import format_lineage, lineage
 
     try:
-        steps = lineage(res.path.rsplit("/", 2)[0], res.stage, res.fingerprint)
+        steps = lineage(store, res.stage, res.fingerprint)
     except Exception as e:  # never fail a built artifact over its description
         return {"lineage": dg.MetadataValue.text(f"unavailable: {e}")}
     return {"lineage": dg.MetadataValue.md("```\n" + format_lineage(steps) + "\n```"),
@@ -359,7 +359,7 @@ def _stage_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
         used = _verify_inputs(context, dep, node, pipe)
         res = pipe.build(node.stage)
         _log(context, res)
-        return _result(res, {**METADATA[node.stage](res), **_provenance(dep, node, pipe, used), **_lineage(res)})
+        return _result(res, {**METADATA[node.stage](res), **_provenance(dep, node, pipe, used), **_lineage(pipe.store, res)})
 
     return _asset
 
@@ -400,7 +400,7 @@ def _token_cache_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
         used = _verify_inputs(context, dep, node, pipe)
         res = pipe.token_cache_commit(parts)
         _log(context, res)
-        meta = {**METADATA["token_cache"](res), **_provenance(dep, node, pipe, used), **_lineage(res)}
+        meta = {**METADATA["token_cache"](res), **_provenance(dep, node, pipe, used), **_lineage(pipe.store, res)}
         meta["groups_tokenized_in_this_run"] = dg.MetadataValue.int(len(parts))
         with warnings.catch_warnings():  # Output(data_version=...) is marked beta
             warnings.simplefilter("ignore")
@@ -433,7 +433,7 @@ def _train_ckpt_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
         hit = pipe.cached("train_ckpt")
         if hit is not None:
             _log(context, hit)
-            yield _result(hit, {**METADATA["train_ckpt"](hit), **_provenance(dep, node, pipe, used), **_lineage(hit)})
+            yield _result(hit, {**METADATA["train_ckpt"](hit), **_provenance(dep, node, pipe, used), **_lineage(pipe.store, hit)})
             return
         if context.retry_number:
             from lm_pipeline.train.checkpoint import latest_checkpoint
@@ -449,7 +449,7 @@ def _train_ckpt_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
         else:
             res, extra = yield from _train_in_process(context, node.key, run_pipe, fp, training.poll_seconds)
         _log(context, res)
-        yield _result(res, {**METADATA["train_ckpt"](res, extra), **_provenance(dep, node, pipe, used), **_lineage(res)})
+        yield _result(res, {**METADATA["train_ckpt"](res, extra), **_provenance(dep, node, pipe, used), **_lineage(pipe.store, res)})
 
     return train_ckpt
 
@@ -480,11 +480,6 @@ def _checkpoint_eval_asset(dep: Deployment, name: str):
     return checkpoint_eval
 
 
-def comparison_rows(dep: Deployment, store_for) -> list[dict[str, Any]]:
-    """One row per experiment (:func:`assets.comparison.experiment_row`), from the store."""
-    return [cmp.experiment_row(name, exp.fresh_pipeline(store_for(exp))) for name, exp in dep.experiments.items()]
-
-
 def _comparison_asset(dep: Deployment):
     evals = sorted({dep.key(n, "eval_report") for n in dep.experiments}, key=lambda k: k.to_user_string())
 
@@ -493,14 +488,9 @@ def _comparison_asset(dep: Deployment):
                           "baseline, parameters, training tokens and wall time): a table and a plot. Refreshed by "
                           "comparison_sensor when an evaluation lands.")
     def comparison(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
-        from lm_pipeline.store import ArtifactStore
-
-        def store_for(exp: Experiment):
-            return store.store() if exp.store_root == dep_root else ArtifactStore(exp.store_root)
-
-        dep_root = next(iter(dep.experiments.values())).store_root
-        rows = comparison_rows(dep, store_for)
-        fp, path, hit = cmp.write_comparison(store.store(), rows)
+        artifacts = store.store()  # the deployment's one store (build_definitions checks it)
+        rows = [cmp.experiment_row(name, exp.fresh_pipeline(artifacts)) for name, exp in dep.experiments.items()]
+        fp, path, hit = cmp.write_comparison(artifacts, rows)
         context.log.info(f"comparison {fp}: {'cache hit' if hit else 'written'} at {path}")
         table = dg.MetadataValue.table(
             [dg.TableRecord({c: r[c] for c in cmp.COLUMNS}) for r in rows],
