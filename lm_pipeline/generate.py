@@ -36,6 +36,7 @@ import numpy as np
 from lm_pipeline.compute import ComputePlan, plan_for_params
 from lm_pipeline.models.base import LmModel
 from lm_pipeline.models.layers import unstack_layers
+from lm_pipeline.xla_cache import enable as enable_xla_cache
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +266,7 @@ def generate_text(
 
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     loaded = load_model_from_checkpoint(step_dir, dtype=dtype)
+    enable_xla_cache(loaded.config.store.root)
     if loaded.tokenizer_dir is None:
         raise FileNotFoundError(f"{os.fspath(step_dir)}: the checkpoint has no tokenizer/ dir")
     tok = load_tokenizer(loaded.tokenizer_dir)

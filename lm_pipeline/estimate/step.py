@@ -51,7 +51,7 @@ def estimate(
     platform = (platform or jax.default_backend()).lower()
     if segments is None:
         segments = getattr(cfg.data, "packing", "concat") != "concat"
-    compute = jnp.dtype(tc.precision.compute)
+    compute = jnp.dtype(tc.precision_for(platform).compute)  # `mp: auto` as a run on `platform` resolves it
     on_cpu = platform == "cpu"
     mem = parameter_memory(cfg, vocab, data_size=data_size, compute_dtype=compute, on_cpu=on_cpu)
     acts = {

@@ -33,6 +33,7 @@ from lm_pipeline.eval.report import report_frame, report_rows, validate_report
 from lm_pipeline.eval.unigram import UnigramBaseline, unigram_baseline
 from lm_pipeline.faultpoints import faultpoint
 from lm_pipeline.models.base import LmModel
+from lm_pipeline.xla_cache import enable as enable_xla_cache
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -219,6 +220,7 @@ def _evaluate_loaded(
     path: str, loaded: LoadedCheckpoint, datasets: Mapping[str, SequenceDataset], *, batch_size: int,
     max_eval_batches: int | None, compute_dtype: Any, unigram: UnigramBaseline | None,
 ) -> pd.DataFrame:
+    enable_xla_cache(loaded.config.store.root)
     if compute_dtype is None:
         from lm_pipeline.train.config import parse_mp
 

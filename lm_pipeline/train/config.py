@@ -41,6 +41,28 @@ class Precision:
         return self.compute == jnp.float16
 
 
+#: ``trainer.mp: auto`` per platform: the faster policy measured on each (``docs/benchmarks.md``).
+#: CPUs compute in f32: XLA:CPU emulates bf16 matmuls by converting to f32 (no gain on the AVX2
+#: and AVX-512 machines measured, slower in this project's train step); GPUs and TPUs compute in
+#: bf16 with f32 parameters (their matrix units run bf16 at several times the f32 rate).
+AUTO_MP = "auto"
+MP_FOR_PLATFORM = {"cpu": "f32", "gpu": "p=f32,c=bfloat16", "tpu": "p=f32,c=bfloat16"}
+
+
+def resolve_mp(spec: str, platform: str | None = None) -> str:
+    """``spec`` itself, or for ``'auto'`` the policy of ``platform`` (default: the platform this
+    host trains on, :func:`lm_pipeline.hostinfo.detect_platform`): ``'f32'`` on CPU,
+    ``'p=f32,c=bfloat16'`` on GPU and TPU. Imports no JAX."""
+    if spec.strip().lower() != AUTO_MP:
+        return spec
+    from lm_pipeline.hostinfo import detect_platform, platform_from_env
+
+    name = detect_platform() if platform is None else platform_from_env(platform)  # 'cuda' -> 'gpu'
+    if name not in MP_FOR_PLATFORM:
+        raise ConfigError("", f"no automatic mixed precision for platform {platform!r}; set trainer.mp explicitly")
+    return MP_FOR_PLATFORM[name]
+
+
 def parse_mp(spec: str) -> Precision:
     """Parse ``p=f32,c=bfloat16[,o=f32]`` (jmp style) or a single dtype name.
 
@@ -132,7 +154,12 @@ class TrainerConfig:
         semantic=False,
     )
     per_device_eval_parallelism: int = field(-1, help="Sequences per device per eval batch; -1 = same as training.", semantic=False, aliases=("eval_per_device_parallelism",))
-    mp: str = field("f32", help="Mixed precision, e.g. 'p=f32,c=bfloat16' (params f32, compute bf16) or 'f32'.")
+    mp: str = field(
+        AUTO_MP,
+        help="Mixed precision, e.g. 'p=f32,c=bfloat16' (params f32, compute bf16) or 'f32'; 'auto' = the faster one "
+        "of the platform this host trains on: f32 on CPU, p=f32,c=bfloat16 on GPU and TPU. 'auto' is resolved when "
+        "the config is loaded, and the resolved policy is what the fingerprint hashes.",
+    )
     steps_per_eval: int = field(1000, help="Evaluate on the validation sets every this many steps (and at the end).", semantic=False)
     max_eval_batches: int | None = field(None, help="Cap on eval batches per validation set; None = all.", semantic=False)
     log_every: int = field(10, help="Log metrics every this many steps.", semantic=False)
@@ -152,6 +179,18 @@ class TrainerConfig:
     parameter_axis_resources: dict[str, str | None] | None = field(None, help="Advanced: logical -> mesh axis mapping for parameters at rest.", semantic=False)
     compute_axis_resources: dict[str, str | None] | None = field(None, help="Advanced: logical -> mesh axis mapping during compute.", semantic=False)
     distributed: DistributedConfig = field(default_factory=DistributedConfig, help="Multi-host start-up.", semantic=False)
+
+    def __post_init__(self) -> None:
+        # ``mp: auto`` becomes the concrete policy here, once, so that everything reading the config
+        # (fingerprints and run ids, the compute plan, the estimator, the saved config.yaml, the
+        # Pipes child's config) sees the same policy: a CPU run and a GPU run of one ``auto`` config
+        # get different addresses. ``_mp_auto`` remembers the spelling for :meth:`precision_for`.
+        if isinstance(self.mp, str) and self.mp.strip().lower() == AUTO_MP:
+            try:
+                object.__setattr__(self, "mp", resolve_mp(AUTO_MP))
+            except ConfigError as e:
+                raise ConfigError("mp", e.message) from None
+            object.__setattr__(self, "_mp_auto", True)
 
     @classmethod
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -214,6 +253,16 @@ class TrainerConfig:
     @property
     def precision(self) -> Precision:
         return parse_mp(self.mp)
+
+    @property
+    def mp_is_auto(self) -> bool:
+        """Whether ``mp`` was given as ``auto`` (and resolved for this host's platform)."""
+        return bool(getattr(self, "_mp_auto", False))
+
+    def precision_for(self, platform: str) -> Precision:
+        """The policy a run of this config would use on ``platform``: an ``auto`` policy resolved for
+        that platform (the estimator asked about another platform), else :attr:`precision`."""
+        return parse_mp(resolve_mp(AUTO_MP, platform)) if self.mp_is_auto else self.precision
 
     def check_devices(self, num_devices: int) -> None:
         """Errors for settings that cannot work on ``num_devices`` devices (raised before compute)."""

@@ -41,6 +41,7 @@ from lm_pipeline.train.trainer import (
     evaluate_datasets,
     put_batch,
 )
+from lm_pipeline.xla_cache import enable as enable_xla_cache
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ def train(
         extra_checkpoint_files: files copied into every ``step-N`` dir (e.g. the tokenizer).
         hooks: user callbacks run every N steps; a hook may return metrics to log.
     """
+    enable_xla_cache(cfg.store.root)  # compiled programs from an earlier run of these shapes: no recompiling
     run = _prepare(cfg, train_data, vocab_size, data_fingerprint, run_id, run_dir)
     cfg, tc, num_steps = run.cfg, run.cfg.trainer, run.num_steps
     state, resume_path = _restore_or_init(run)
