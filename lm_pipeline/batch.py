@@ -8,6 +8,7 @@ same batches as an uninterrupted one and no loader state is saved in checkpoints
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -59,10 +60,83 @@ class ArrayDataset:
         return LmBatch(self.rows[np.asarray(indices, dtype=np.int64)])
 
 
+# Datasets of up to this many rows shuffle with a stored permutation (8 bytes a row, at most
+# 8 MiB); larger ones with a keyed bijection computed per position, so the loader's memory does
+# not grow with the dataset (a 1 TB corpus at seq_len 2048 has ~10^8 rows: 1 GB per permutation).
+MATERIALIZED_PERMUTATION_MAX_ROWS = 1 << 20
+_FEISTEL_ROUNDS = 6
+
+
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on uint64 arrays (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(_MIX1)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(_MIX2)
+    return x ^ (x >> np.uint64(31))
+
+
+@functools.lru_cache(maxsize=8)
+def _feistel_keys(seed: int, epoch: int) -> np.ndarray:
+    keys = np.random.Generator(np.random.PCG64([seed, epoch, 0xFE15])).integers(
+        0, 1 << 63, _FEISTEL_ROUNDS, dtype=np.uint64)
+    keys.setflags(write=False)
+    return keys
+
+
+def _feistel_permute(num_rows: int, seed: int, epoch: int, positions: np.ndarray) -> np.ndarray:
+    """Rows at ``positions`` of a keyed pseudo-random permutation of ``range(num_rows)``, without
+    materializing it: a balanced Feistel network on ``2 * h`` bits (``4**h >= num_rows``; a
+    bijection of ``range(4**h)``) and cycle walking (re-apply until the value is below
+    ``num_rows``; fewer than 4 rounds of it on average), so it is a bijection of ``range(num_rows)``.
+    A batch's few positions are computed with Python integers (numpy's per-call overhead would
+    dominate), many with numpy; both give the same rows."""
+    h = max(1, ((num_rows - 1).bit_length() + 1) // 2)
+    mask = (1 << h) - 1
+    keys = _feistel_keys(seed, epoch)
+    positions = np.asarray(positions, np.int64)
+    if len(positions) <= 256:
+        ks, m64, out = [int(k) for k in keys], (1 << 64) - 1, []
+        for v in positions.tolist():
+            while True:
+                left, right = v >> h, v & mask
+                for k in ks:
+                    x = (right + k) & m64
+                    x ^= x >> 30
+                    x = (x * _MIX1) & m64
+                    x ^= x >> 27
+                    x = (x * _MIX2) & m64
+                    left, right = right, left ^ ((x ^ (x >> 31)) & mask)
+                v = (left << h) | right
+                if v < num_rows:
+                    break
+            out.append(v)
+        return np.asarray(out, np.int64)
+    x = positions.astype(np.uint64)
+    umask = np.uint64(mask)
+    todo = np.ones(len(x), bool)
+    with np.errstate(over="ignore"):
+        while todo.any():
+            v = x[todo]
+            left, right = v >> np.uint64(h), v & umask
+            for k in keys:
+                left, right = right, left ^ (_mix64(right + k) & umask)
+            v = (left << np.uint64(h)) | right
+            x[todo] = v
+            todo[todo] = v >= np.uint64(num_rows)
+    return x.astype(np.int64)
+
+
 def epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
-    """The row order of one epoch: a seeded permutation, different each epoch."""
-    rng = np.random.Generator(np.random.PCG64([seed, epoch, 0x5EED]))
-    return rng.permutation(num_rows)
+    """The row order of one epoch: a seeded permutation, different each epoch (materialized; the
+    batch source computes only the positions it needs above the threshold)."""
+    if num_rows <= MATERIALIZED_PERMUTATION_MAX_ROWS:
+        rng = np.random.Generator(np.random.PCG64([seed, epoch, 0x5EED]))
+        return rng.permutation(num_rows)
+    return _feistel_permute(num_rows, seed, epoch, np.arange(num_rows))
 
 
 class StepBatchSource:
@@ -116,7 +190,7 @@ class StepBatchSource:
             if perm is None:
                 perm = epoch_permutation(len(self.dataset), self.seed, epoch)
                 self._perm_cache[epoch] = perm
-                while len(self._perm_cache) > self._PERMS_KEPT:  # memory stays O(rows)
+                while len(self._perm_cache) > self._PERMS_KEPT:  # at most 2 x 8 MiB
                     self._perm_cache.popitem(last=False)
             else:
                 self._perm_cache.move_to_end(epoch)
@@ -133,7 +207,10 @@ class StepBatchSource:
         out = np.empty_like(flat)
         for e in np.unique(epochs):
             sel = epochs == e
-            out[sel] = self._perm(int(e))[offsets[sel]]
+            if n <= MATERIALIZED_PERMUTATION_MAX_ROWS:
+                out[sel] = self._perm(int(e))[offsets[sel]]
+            else:  # computed per position: no O(rows) array
+                out[sel] = _feistel_permute(n, self.seed, int(e), offsets[sel])
         return out
 
     def local_indices(self, step: int) -> np.ndarray:
