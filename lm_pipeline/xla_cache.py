@@ -99,7 +99,7 @@ def cache_dir_for(store_root: str | os.PathLike | None, environ: Mapping[str, st
     local = as_local(os.fspath(store_root)) if store_root else None
     if local is not None:
         return os.path.join(local, STORE_SUBDIR, key)
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = env.get("XDG_CACHE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".cache")
     return os.path.join(base, "lm_pipeline", "xla", key)
 
 
@@ -144,30 +144,29 @@ def enable(store_root: str | os.PathLike | None, environ: Mapping[str, str] | No
     return path
 
 
-def _install_atomic_cache(path: str) -> bool:
-    """Make JAX's cache for ``path`` the atomic-write variant (see the module docstring); False
-    (JAX's own cache stays) when JAX's internals are not as expected or the cache is already open."""
-    try:
-        from jax._src import compilation_cache as cc
-        from jax._src import config as jax_config
-        from jax._src.lru_cache import LRUCache
-    except ImportError:
-        return False
-    if not all(hasattr(cc, n) for n in ("_cache", "_cache_initialized", "_cache_initialized_mutex")):
-        return False
+_atomic_class: list[type] = []
+
+
+def atomic_cache_class() -> type:
+    """JAX's file cache (``jax._src.lru_cache.LRUCache``) whose ``put`` writes a temporary file in
+    the directory and renames it into place (readers see a whole entry or none). With a size bound
+    (``jax_compilation_cache_max_size``) JAX's own locked ``put`` is kept. Raises ImportError when
+    JAX has no such class."""
+    if _atomic_class:
+        return _atomic_class[0]
+    from jax._src.lru_cache import LRUCache
 
     class AtomicLRUCache(LRUCache):
-        """JAX's file cache, whose ``put`` writes a temporary file and renames it into place."""
-
         def put(self, key: str, value: bytes) -> None:
             if getattr(self, "eviction_enabled", True):
-                return super().put(key, value)  # size-bounded: JAX's locked path, left as it is
+                return super().put(key, value)
             if not key:
                 raise ValueError("key cannot be empty")
-            target = os.path.join(os.fspath(self.path), f"{key}-cache")
-            if os.path.exists(target):
+            directory = os.fspath(self.path)
+            target = os.path.join(directory, f"{key}-cache")
+            if os.path.exists(target):  # as JAX: an entry is never replaced
                 return
-            fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=os.fspath(self.path))
+            fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=directory)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(value)
@@ -176,11 +175,27 @@ def _install_atomic_cache(path: str) -> bool:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
 
+    _atomic_class.append(AtomicLRUCache)
+    return AtomicLRUCache
+
+
+def _install_atomic_cache(path: str) -> bool:
+    """Open JAX's cache for ``path`` as :func:`atomic_cache_class`; False (JAX opens its own cache
+    as usual) when JAX's internals are not as expected or its cache is already open."""
+    try:
+        from jax._src import compilation_cache as cc
+        from jax._src import config as jax_config
+
+        cls = atomic_cache_class()
+    except ImportError:
+        return False
+    if not all(hasattr(cc, n) for n in ("_cache", "_cache_initialized", "_cache_initialized_mutex")):
+        return False
     with cc._cache_initialized_mutex:
         if cc._cache is not None:
-            return type(cc._cache).__name__ == "AtomicLRUCache"
+            return isinstance(cc._cache, cls)
         try:
-            cc._cache = AtomicLRUCache(path, max_size=jax_config.compilation_cache_max_size.value)
+            cc._cache = cls(path, max_size=jax_config.compilation_cache_max_size.value)
         except Exception as e:  # noqa: BLE001 - JAX's own initialization will try again
             log.debug("atomic XLA cache not installed: %s", e)
             return False
