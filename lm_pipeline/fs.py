@@ -26,11 +26,14 @@ __all__ = [
     "PathLike",
     "as_local",
     "basename",
+    "access_problem",
     "copy_tree",
+    "download_tree",
     "exclusive_lock",
     "exists",
     "get_fs",
     "is_local",
+    "kvstore_spec",
     "join",
     "listdir",
     "local_path",
@@ -42,6 +45,7 @@ __all__ = [
     "read_text",
     "remove",
     "rmtree",
+    "upload_tree",
 ]
 
 _MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
@@ -94,6 +98,118 @@ def url_problem(url: PathLike) -> str | None:
         return (f"{text}: unknown URL scheme {scheme!r}; use a local path or a URL fsspec knows "
                 "(s3://, gs://, az://, https://, memory://, ...)")
     return None
+
+
+def _bucket_of(url: str) -> str:
+    return url.split("://", 1)[1].split("/", 1)[0]
+
+
+def access_problem(url: PathLike) -> str | None:
+    """Why ``url`` cannot be used (unknown scheme, missing package, missing bucket, no or refused
+    credentials), in one line with what to do; None when its bucket can be listed. Local paths
+    always can. Lists the bucket once (one request): called before any compute."""
+    problem = url_problem(url)
+    if problem or is_local(url):
+        return problem
+    text = os.fspath(url)
+    bucket = _bucket_of(text)
+    scheme = text.split("://", 1)[0]
+    try:
+        store, _ = get_fs(text)
+        store.ls(bucket)
+    except FileNotFoundError:
+        return f"{text}: the bucket {bucket!r} does not exist (or is not visible with these credentials); create it or fix the URL"
+    except PermissionError as e:
+        first = (str(e).splitlines() or [""])[0][:200]
+        return (f"{text}: access to bucket {bucket!r} refused ({first}); check the credentials the standard "
+                f"{_CHAIN.get(scheme, 'credential chain')} finds")
+    except Exception as e:  # noqa: BLE001 - botocore's NoCredentialsError, google.auth's DefaultCredentialsError, ...
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        kind = type(e).__name__
+        if "credential" in kind.lower() or "credential" in first.lower():
+            return (f"{text}: no usable credentials ({kind}: {first}); provide them through the standard "
+                    f"{_CHAIN.get(scheme, 'credential chain')}")
+        return f"{text}: cannot be listed ({kind}: {first})"
+    return None
+
+
+#: Where each object store's client looks for credentials (named in error messages).
+_CHAIN = {
+    "s3": "AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE and ~/.aws, instance or pod role)",
+    "s3a": "AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE and ~/.aws, instance or pod role)",
+    "gs": "Google chain (GOOGLE_APPLICATION_CREDENTIALS, gcloud auth application-default login, the metadata server)",
+    "gcs": "Google chain (GOOGLE_APPLICATION_CREDENTIALS, gcloud auth application-default login, the metadata server)",
+}
+
+
+def s3_endpoint() -> str | None:
+    """The S3 endpoint of an S3-compatible store, from the standard variables (``AWS_ENDPOINT_URL_S3``,
+    then ``AWS_ENDPOINT_URL``; s3fs's ``FSSPEC_S3_ENDPOINT_URL`` too); None: AWS itself."""
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "FSSPEC_S3_ENDPOINT_URL"):
+        value = os.environ.get(name)
+        if value:
+            return value
+    return None
+
+
+def kvstore_spec(url: PathLike) -> dict | str:
+    """A TensorStore kvstore spec for a directory ``url`` (ending in ``/``).
+
+    Local paths: the ``file`` driver. ``s3://``: the ``s3`` driver with the endpoint and region of
+    the standard AWS variables (TensorStore does not read the endpoint variables itself);
+    credentials stay with TensorStore's own AWS chain and never enter the spec. Other URLs are
+    passed as TensorStore URLs (``gs://`` reads Google's application default credentials)."""
+    text = os.fspath(url)
+    if is_local(text):
+        return {"driver": "file", "path": local_path(text).rstrip("/") + "/"}
+    scheme, rest = text.split("://", 1)
+    if scheme in ("s3", "s3a"):
+        bucket, _, path = rest.partition("/")
+        spec: dict = {"driver": "s3", "bucket": bucket, "path": path.strip("/") + "/" if path.strip("/") else ""}
+        endpoint = s3_endpoint()
+        if endpoint:
+            spec["endpoint"] = endpoint
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region:
+            spec["aws_region"] = region
+        return spec
+    if scheme == "gcs":
+        text = "gs://" + rest
+    return text.rstrip("/") + "/"
+
+
+def download_tree(url: PathLike, local_dir: str) -> str:
+    """Copy the directory ``url`` (local or object store) into the local ``local_dir``; returns it."""
+    os.makedirs(local_dir, exist_ok=True)
+    if is_local(url):
+        shutil.copytree(local_path(url), local_dir, dirs_exist_ok=True)
+        return local_dir
+    store, inner = get_fs(url)
+    inner = inner.rstrip("/")
+    for name in store.find(inner):
+        rel = name[len(inner):].lstrip("/")
+        if not rel:
+            continue
+        target = os.path.join(local_dir, *rel.split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        store.get_file(name, target)
+    return local_dir
+
+
+def upload_tree(local_dir: str, url: PathLike, *, last: tuple[str, ...] = ()) -> None:
+    """Copy every file under the local ``local_dir`` to the directory ``url``; the relative names in
+    ``last`` are copied after all the others (a completion marker: a reader that sees it sees the
+    rest). Local targets are copied with :func:`shutil.copy2`."""
+    files = []
+    for parent, dirs, names in os.walk(local_dir):
+        dirs.sort()
+        for name in sorted(names):
+            rel = os.path.relpath(os.path.join(parent, name), local_dir).replace(os.sep, "/")
+            files.append(rel)
+    ordered = [f for f in files if f not in last] + [f for f in last if f in files]
+    for rel in ordered:
+        src = os.path.join(local_dir, *rel.split("/"))
+        put(src, join(url, *rel.split("/")))
 
 
 def get_fs(path: PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -252,8 +368,11 @@ def put(source: PathLike, target: PathLike) -> None:
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             shutil.copy2(source, dest)
         return
+    if os.path.isdir(source):  # file by file: fsspec's recursive put nests into an existing target
+        upload_tree(source, target)
+        return
     fs, inner = get_fs(target)
-    fs.put(source, inner, recursive=os.path.isdir(source))
+    fs.put_file(source, inner)
 
 
 class AppendFile:
@@ -312,7 +431,10 @@ def exclusive_lock(path: PathLike, timeout: float | None = None) -> Iterator[Non
     """Hold an exclusive lock on the lock file ``path`` for the block (timeout in seconds).
 
     Local: ``fcntl.flock``, which the kernel releases if the process dies. Object stores have
-    no locks: a no-op there. Raises TimeoutError if another process holds it past ``timeout``.
+    no locks: a no-op there. Writers on object stores rely on the commit rules instead (every
+    artifact and checkpoint is marked complete by one object written last, and what is written
+    under an address is a function of that address), so a second concurrent writer repeats the
+    work but never makes a partial artifact look complete; run one builder per address. Raises TimeoutError if another process holds it past ``timeout``.
     """
     if not is_local(path):
         yield

@@ -71,12 +71,9 @@ class TokenizerInfo:
 
 
 def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    from lm_pipeline.atomic import atomic_write_bytes
+
+    atomic_write_bytes(path, data)  # local: temp + rename; object stores: one PUT
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -101,8 +98,10 @@ def _write_dir(
     """Write the three files (configs first, tokenizer.json last) and return the info."""
     from tokenizers import Tokenizer
 
+    from lm_pipeline import fs
+
     out = os.fspath(out_dir)
-    os.makedirs(out, exist_ok=True)
+    fs.makedirs(out)
     tok = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
     for role, token in roles.items():
         if token is not None and tok.token_to_id(token) is None:
@@ -118,11 +117,11 @@ def _write_dir(
     smap: dict[str, Any] = dict(special)
     if additional:
         smap["additional_special_tokens"] = list(additional)
-    _atomic_write(os.path.join(out, CONFIG_FILE), _json_bytes(config))
+    _atomic_write(_join(out, CONFIG_FILE), _json_bytes(config))
     faultpoint("tokenizer.after_config")  # the first file is written
-    _atomic_write(os.path.join(out, SPECIAL_MAP_FILE), _json_bytes(smap))
+    _atomic_write(_join(out, SPECIAL_MAP_FILE), _json_bytes(smap))
     faultpoint("tokenizer.after_special_map")
-    _atomic_write(os.path.join(out, TOKENIZER_FILE), tokenizer_json)
+    _atomic_write(_join(out, TOKENIZER_FILE), tokenizer_json)
     return tokenizer_info(out)
 
 
@@ -235,10 +234,12 @@ def train_bpe(
 
 
 def _read_json(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
+    from lm_pipeline import fs
+
+    text = fs.read_text(path)
+    if text is None:
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    data = json.loads(text)
     return data if isinstance(data, dict) else {}
 
 
@@ -257,13 +258,15 @@ def load_hf_tokenizer(
     ``transformers.AutoTokenizer`` and must yield a fast tokenizer. ``eos_token`` overrides (or
     supplies) the EOS token; it must be in the vocabulary.
     """
-    local = os.path.expanduser(name_or_path)
+    from lm_pipeline import fs
+
+    local = os.path.expanduser(name_or_path) if fs.is_local(name_or_path) else name_or_path.rstrip("/")
     additional: list[str] = []
-    if os.path.isfile(os.path.join(local, TOKENIZER_FILE)):
-        with open(os.path.join(local, TOKENIZER_FILE), "rb") as f:
-            data = f.read()
-        conf = _read_json(os.path.join(local, CONFIG_FILE))
-        smap = _read_json(os.path.join(local, SPECIAL_MAP_FILE))
+    found = fs.read_bytes(_join(local, TOKENIZER_FILE))
+    if found is not None:  # a directory (local or on an object store) holding tokenizer.json
+        data = found
+        conf = _read_json(_join(local, CONFIG_FILE))
+        smap = _read_json(_join(local, SPECIAL_MAP_FILE))
         roles = {r: _token_str(smap.get(r, conf.get(r))) for r in _ROLES}
         extra: dict[str, Any] = {}
         if isinstance(conf.get("model_max_length"), int):

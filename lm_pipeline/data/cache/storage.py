@@ -14,6 +14,7 @@ from typing import Any
 import tensorstore as ts
 
 from lm_pipeline.data.cache.errors import CacheError
+from lm_pipeline.fs import kvstore_spec
 
 __all__ = [
     "ARRAYS",
@@ -65,7 +66,7 @@ class CacheRoot:
             self._kv = None
         else:
             self.path = text.rstrip("/")
-            self._kv = ts.KvStore.open(self.path + "/", context=_CONTEXT).result()
+            self._kv = ts.KvStore.open(kvstore_spec(self.path), context=_CONTEXT).result()
 
     def __str__(self) -> str:
         return self.path
@@ -78,9 +79,7 @@ class CacheRoot:
 
     def kvstore(self, name: str) -> Any:
         """TensorStore kvstore spec for the sub-directory ``name``."""
-        if self.local:
-            return {"driver": "file", "path": os.path.join(self.path, name) + "/"}
-        return f"{self.path}/{name}/"
+        return kvstore_spec(self.join(name))
 
     def read(self, key: str) -> bytes | None:
         if self.local:
@@ -153,7 +152,8 @@ class CacheRoot:
 
     @contextlib.contextmanager
     def build_lock(self) -> Iterator[None]:
-        """Exclusive builder lock (local caches only; object stores rely on the caller)."""
+        """Exclusive builder lock (local caches only; on object stores the cache is built by the
+        one builder of its store address, see :func:`lm_pipeline.fs.exclusive_lock`)."""
         if not self.local:
             yield
             return

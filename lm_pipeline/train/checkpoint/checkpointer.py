@@ -13,6 +13,8 @@ import json
 import logging
 import math
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -38,6 +40,7 @@ from lm_pipeline.train.checkpoint.marker import (
     write_marker,
 )
 from lm_pipeline.train.checkpoint.policy import CheckpointerConfig
+from lm_pipeline.train.checkpoint.remote import upload_state
 from lm_pipeline.train.checkpoint.restore import load
 from lm_pipeline.train.checkpoint.retention import materialize_best, prune
 
@@ -90,6 +93,7 @@ class _Save:
     sync_key: str
     t0: float  # time.perf_counter() at the start of save()
     blocking_s: float = 0.0  # how long save() blocked training
+    staging: str | None = None  # object stores: the local dir Orbax writes, uploaded when complete
     thread: threading.Thread | None = None
     error: BaseException | None = None
 
@@ -123,6 +127,9 @@ class Checkpointer:
         if base is None:
             raise ValueError("Checkpointer needs a directory: set checkpointer.base_path or pass base_path_override")
         self.base_path = fs.norm(base)
+        if not fs.is_local(self.base_path) and jax.process_count() > 1:
+            raise ValueError(f"checkpoints on an object store ({self.base_path}) are written by one process; "
+                             "a multi-process run needs a shared filesystem path for its checkpoints")
         self._clock = clock
         self._interval = config.save_interval_seconds
         self._async = async_save
@@ -216,12 +223,14 @@ class Checkpointer:
         flat, arrays = prepare_state(state)
         self._prepare_dir(path, step, extras)
         faultpoint("checkpoint.before_arrays")  # the step dir and its extra files exist
+        staging = None
         if flat:
-            self._start_array_write(path, flat)
+            staging = self._start_array_write(path, flat)
         blocking_s = time.perf_counter() - t0
         marker = new_marker(step, kind, eval_loss=loss, arrays=arrays, extra_files=list(extras), metadata=user_meta)
         job = _Save(step=step, kind=kind, path=path, marker=marker, has_arrays=bool(flat), update_best=update_best,
-                    sync_key=f"lm_pipeline_checkpoint_{step}_{self._counter}", t0=t0, blocking_s=blocking_s)
+                    sync_key=f"lm_pipeline_checkpoint_{step}_{self._counter}", t0=t0, blocking_s=blocking_s,
+                    staging=staging)
         if self._async:
             self._finish_in_background(job)
         else:
@@ -249,13 +258,18 @@ class Checkpointer:
             _write_extra_files(path, extras)
         ocp.multihost.sync_global_processes(f"lm_pipeline_checkpoint_prepare_{step}_{self._counter}")
 
-    def _start_array_write(self, path: str, flat: dict[str, Any]) -> None:
-        """Copy this process's shards to host memory and start writing them (Orbax, async)."""
+    def _start_array_write(self, path: str, flat: dict[str, Any]) -> str | None:
+        """Copy this process's shards to host memory and start writing them (Orbax, async).
+
+        On an object store Orbax writes into a local staging dir (returned), uploaded when complete."""
         import orbax.checkpoint as ocp
 
         if self._orbax is None:
             self._orbax = ocp.AsyncCheckpointer(new_pytree_handler(), timeout_secs=TIMEOUT_S)
-        self._orbax.save(fs.join(path, STATE_DIR), args=ocp.args.PyTreeSave(flat))
+        staging = None if fs.is_local(path) else tempfile.mkdtemp(prefix="lm-pipeline-ckpt-")
+        target = fs.join(path, STATE_DIR) if staging is None else os.path.join(staging, STATE_DIR)
+        self._orbax.save(target, args=ocp.args.PyTreeSave(flat))
+        return staging
 
     def _finish_in_background(self, job: _Save) -> None:
         def run() -> None:
@@ -275,13 +289,19 @@ class Checkpointer:
         try:
             if job.has_arrays:
                 self._orbax.wait_until_finished()
+                if job.staging is not None:  # object store: the arrays are complete locally; upload them
+                    upload_state(os.path.join(job.staging, STATE_DIR), fs.join(job.path, STATE_DIR))
         except BaseException as e:
             local_error = e
         removed: list[str] = []
-        if jax.process_index() != 0:
-            self._commit.follow(job.sync_key, job.path, local_error)
-        else:
-            removed = self._commit.lead(job.sync_key, job.path, local_error, lambda: self._complete(job))
+        try:
+            if jax.process_index() != 0:
+                self._commit.follow(job.sync_key, job.path, local_error)
+            else:
+                removed = self._commit.lead(job.sync_key, job.path, local_error, lambda: self._complete(job))
+        finally:
+            if job.staging is not None:
+                shutil.rmtree(job.staging, ignore_errors=True)
         log_on_primary(
             logger,
             "checkpoint: saved step %d (%s) to %s in %.2fs (training blocked %.2fs)%s",
@@ -291,7 +311,7 @@ class Checkpointer:
 
     def _complete(self, job: _Save) -> list[str]:
         """Process 0, every part written: the marker, then ``best/``, then pruning (what was removed)."""
-        job.marker["files"] = file_digests(job.path)  # what resuming checks before trusting it
+        job.marker["files"] = file_digests(job.path, job.staging)  # what resuming checks before trusting it
         stamp_complete(job.marker)
         faultpoint("checkpoint.before_marker")  # arrays written, marker not yet
         self._write_marker(job.path, job.marker)

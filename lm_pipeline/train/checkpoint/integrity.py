@@ -6,7 +6,10 @@ checkpoint, :func:`verify` compares the dir with that record: a missing, truncat
 file makes it *damaged*. :func:`move_aside` then renames the dir into ``<parent>/.damaged/``
 (never deletes it: the bytes stay for inspection) so the run resumes from the newest intact one.
 
-Local directories are hashed; on object stores the record is empty (nothing is verified yet).
+On object stores the record is made from the staged local copy of what was uploaded (files
+written straight to the bucket are read back and hashed); verifying downloads the checkpoint into
+the local cache (:mod:`.remote`) and checks that copy, and moving aside copies the objects under
+``.damaged/`` and deletes the originals, the marker first.
 """
 
 from __future__ import annotations
@@ -33,11 +36,37 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def file_digests(step_dir: str) -> dict[str, dict]:
-    """Relative path -> ``{"size", "sha256"}`` of every file of a local step dir (the marker
-    excluded); ``{}`` for a dir on an object store."""
+def _remote_digests(step_dir: str, staged: str | None) -> dict[str, dict]:
+    store, inner = fs.get_fs(step_dir)
+    inner = inner.rstrip("/")
+    store.invalidate_cache(inner)
+    out: dict[str, dict] = {}
+    for name, info in sorted(store.find(inner, detail=True).items()):
+        rel = name[len(inner):].lstrip("/")
+        if not rel or rel == MARKER:
+            continue
+        size = int(info.get("size") or 0)
+        local = os.path.join(staged, *rel.split("/")) if staged else None
+        if local and os.path.isfile(local) and os.path.getsize(local) == size:
+            digest = _sha256(local)  # the bytes that were uploaded
+        else:
+            h = hashlib.sha256()
+            with store.open(name, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    h.update(chunk)
+            digest = h.hexdigest()
+        out[rel] = {"size": size, "sha256": digest}
+    return out
+
+
+def file_digests(step_dir: str, staged: str | None = None) -> dict[str, dict]:
+    """Relative path -> ``{"size", "sha256"}`` of every file of a step dir (the marker excluded).
+
+    On an object store the files are listed there (their sizes as stored) and hashed from
+    ``staged``, a local directory with the same layout holding what was uploaded, where it has
+    the file with that size, else read back."""
     if not fs.is_local(step_dir):
-        return {}
+        return _remote_digests(step_dir, staged)
     root = fs.local_path(step_dir)
     out: dict[str, dict] = {}
     for parent, dirs, files in os.walk(root):
@@ -55,8 +84,15 @@ def verify(step_dir: str, marker: dict) -> list[str]:
     """What is wrong with a complete checkpoint's files against its marker's record (empty:
     intact, or nothing recorded to check against)."""
     recorded: dict[str, dict] = marker.get("files") or {}
-    if not recorded or not fs.is_local(step_dir):
+    if not recorded:
         return []
+    if not fs.is_local(step_dir):
+        from lm_pipeline.train.checkpoint.remote import forget_copy, local_copy
+
+        problems = verify(local_copy(step_dir, marker), marker)
+        if problems:
+            forget_copy(step_dir, marker)
+        return problems
     root = fs.local_path(step_dir)
     problems = []
     for rel, want in sorted(recorded.items()):
@@ -74,12 +110,21 @@ def verify(step_dir: str, marker: dict) -> list[str]:
 
 def move_aside(step_dir: str) -> str:
     """Rename a damaged checkpoint dir to ``<parent>/.damaged/<name>-<UTC time>``; returns the new
-    path. Its marker goes with it, so it is never found as a checkpoint again."""
+    path. Its marker goes with it, so it is never found as a checkpoint again. On object stores:
+    copied there, then the original's marker deleted first and the rest after."""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S%fZ")
+    if not fs.is_local(step_dir):
+        url = fs.norm(step_dir)
+        parent, name = url.rsplit("/", 1)
+        target = f"{parent}/{DAMAGED_DIR}/{name}-{stamp}"
+        fs.copy_tree(url, target)
+        fs.remove(fs.join(url, MARKER))
+        fs.rmtree(url)
+        return target
     root = fs.local_path(step_dir).rstrip(os.sep)
     parent, name = os.path.split(root)
     target_dir = os.path.join(parent, DAMAGED_DIR)
     os.makedirs(target_dir, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S%fZ")
     target = os.path.join(target_dir, f"{name}-{stamp}")
     os.replace(root, target)
     return target

@@ -53,7 +53,10 @@ def load(
     extra = _check_compatible(path, saved, wanted, strict=strict and not subtree)
     restored: dict[str, Any] = {}
     if full:
-        state_dir = fs.join(path, marker.get("state", {}).get("dir", STATE_DIR))
+        from lm_pipeline.train.checkpoint.remote import local_copy
+
+        # Object stores: Orbax reads a local copy (downloaded once, see .remote).
+        state_dir = fs.join(local_copy(path, marker), marker.get("state", {}).get("dir", STATE_DIR))
         restored = _restore_arrays(state_dir, wanted, partial=bool(extra))
     out = jax.tree_util.tree_unflatten(treedef, [restored[k] for k in full])
     log_on_primary(
