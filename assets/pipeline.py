@@ -124,7 +124,7 @@ def _observation(asset: dg.AssetKey, c: Mapping[str, Any], run_fingerprint: str)
 
 
 # --------------------------------------------------------------------------------------------
-# training: in this process, or its own process through Pipes
+# training: in this process, its own process through Pipes, or a Ray job through Pipes
 # --------------------------------------------------------------------------------------------
 
 
@@ -162,16 +162,8 @@ def _train_with_pipes(context, asset: dg.AssetKey, pipe, fp: str, cfg, store: Ar
     extras = {"config": dump_config(cfg), "store_root": store.root, "expected_fingerprint": fp,
               "asset_key": asset.to_user_string(),
               "poll_seconds": training.poll_seconds, "attempt": context.retry_number}
-    seen = 0
+    drain = _checkpoint_drain(asset, fp)
     t0 = time.perf_counter()
-
-    def drain(session) -> Iterator[dg.AssetObservation]:
-        nonlocal seen
-        msgs = session.get_custom_messages()
-        for m in msgs[seen:]:
-            if isinstance(m, Mapping) and m.get("type") == "checkpoint":
-                yield _observation(asset, m, str(m.get("run_fingerprint") or fp))
-        seen = len(msgs)
 
     stack = contextlib.ExitStack()
     with warnings.catch_warnings():  # Pipes' message handler uses a preview API internally
@@ -203,6 +195,26 @@ def _train_with_pipes(context, asset: dg.AssetKey, pipe, fp: str, cfg, store: Ar
     if rc != 0:
         raise dg.Failure(f"training process exited with code {rc}; a retry resumes from the latest checkpoint",
                          allow_retries=True)
+    return _reported_result(session, pipe, fp, t0)
+
+
+def _checkpoint_drain(asset: dg.AssetKey, fp: str):
+    """A function yielding, for a Pipes session, the checkpoint observations not yet yielded."""
+    seen = 0
+
+    def drain(session) -> Iterator[dg.AssetObservation]:
+        nonlocal seen
+        msgs = session.get_custom_messages()
+        for m in msgs[seen:]:
+            if isinstance(m, Mapping) and m.get("type") == "checkpoint":
+                yield _observation(asset, m, str(m.get("run_fingerprint") or fp))
+        seen = len(msgs)
+
+    return drain
+
+
+def _reported_result(session, pipe, fp: str, t0: float):
+    """(the stage result, the training process's metadata) from a finished Pipes session."""
     reported = [r for r in session.get_reported_results() if isinstance(r, dg.MaterializeResult)]
     if not reported:
         raise dg.Failure("the training process reported no materialization of train_ckpt")
@@ -217,6 +229,79 @@ def _train_with_pipes(context, asset: dg.AssetKey, pipe, fp: str, cfg, store: Ar
     res.seconds = time.perf_counter() - t0
     child.pop("seconds", None)  # the orchestrator's wall time (process start included) replaces it
     return res, child  # what the process reported (metrics, checkpoints) joins the materialization
+
+
+def _train_on_ray(context, asset: dg.AssetKey, pipe, fp: str, cfg, store: ArtifactStoreResource,
+                  training: TrainingLauncherResource, jax_runtime: JaxRuntimeResource) -> Iterator[Any]:
+    """One Ray job (``python -m lm_pipeline.cluster.ray_train`` on the cluster) running the run as
+    ``ray_num_processes`` processes of one ``jax.distributed`` job. Pipes context goes in the job's
+    environment; messages come back in the job's log, tailed by dagster-ray's
+    ``PipesRayJobMessageReader`` (as its ``PipesRayJobClient`` does; here the step also polls, to
+    report each checkpoint as it lands). A failed job fails the step, and the retry resumes."""
+    from dagster_ray.core.pipes import (
+        PIPES_LAUNCHED_EXTRAS_RAY_ADDRESS_KEY,
+        PIPES_LAUNCHED_EXTRAS_RAY_JOB_ID_KEY,
+        PipesRayJobMessageReader,
+    )
+    from ray.job_submission import JobStatus
+
+    from lm_pipeline.config import dump_config
+
+    spec = training.ray_spec()
+    client = training.ray_job_client()  # unreachable: one line, before anything runs
+    extras = {"config": dump_config(cfg), "store_root": store.root, "expected_fingerprint": fp,
+              "asset_key": asset.to_user_string(), "poll_seconds": training.poll_seconds,
+              "attempt": context.retry_number, "ray": spec.to_dict()}
+    drain = _checkpoint_drain(asset, fp)
+    t0 = time.perf_counter()
+    job_id = f"lm-pipeline-train-{fp}-{context.run_id[:8]}-{context.retry_number}-{os.urandom(3).hex()}"
+    stack = contextlib.ExitStack()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*expected_writer_count")
+        session = stack.enter_context(dg.open_pipes_session(
+            context=context, context_injector=dg.PipesEnvContextInjector(),
+            message_reader=PipesRayJobMessageReader(), extras=extras))
+    with stack:
+        env = {**jax_runtime.env(), "PYTHONUNBUFFERED": "1", **session.get_bootstrap_env_vars()}
+        client.submit_job(entrypoint=training.ray_entrypoint(), submission_id=job_id, entrypoint_num_cpus=0,
+                          runtime_env=training.ray_job_runtime_env(env),
+                          metadata={"dagster_run_id": context.run_id, "dagster_asset": asset.to_user_string(),
+                                    "train_ckpt": fp, "attempt": str(context.retry_number)})
+        session.report_launched({"extras": {PIPES_LAUNCHED_EXTRAS_RAY_JOB_ID_KEY: job_id,
+                                            PIPES_LAUNCHED_EXTRAS_RAY_ADDRESS_KEY: client.get_address()}})
+        context.log.info(f"train_ckpt {fp}: Ray job {job_id} submitted to {client.get_address()} "
+                         f"({spec.num_processes} processes x {spec.bundle()}, {spec.placement_strategy})")
+        try:
+            while True:
+                status = client.get_job_status(job_id)
+                yield from drain(session)
+                if status.is_terminal():
+                    break
+                time.sleep(training.poll_seconds)
+        except BaseException:  # interrupted or terminated: stop the job too
+            with contextlib.suppress(Exception):
+                client.stop_job(job_id)
+            raise
+    yield from drain(session)
+    if status != JobStatus.SUCCEEDED:
+        raise dg.Failure(f"Ray job {job_id} {status.value}: {_ray_job_reason(client, job_id)}; a retry resumes from "
+                         "the latest checkpoint", allow_retries=True)
+    res, child = _reported_result(session, pipe, fp, t0)
+    child["ray_job_id"] = dg.MetadataValue.text(job_id)
+    return res, child
+
+
+def _ray_job_reason(client, job_id: str) -> str:
+    """Why a Ray job failed, in one line: the driver's own last word, else Ray's message."""
+    try:
+        lines = client.get_job_logs(job_id).splitlines()
+        said = [ln.split(": ", 1)[1] for ln in lines if ln.startswith("lm_pipeline.cluster.ray_train: ")]
+        if said:
+            return said[-1]
+        message = (client.get_job_info(job_id).message or "").strip().splitlines()
+        return message[-1] if message else "no message"
+    except Exception as e:  # the reason is a courtesy; the failure stands
+        return f"(reason unavailable: {e})"
 
 
 # --------------------------------------------------------------------------------------------
@@ -427,6 +512,7 @@ def _train_ckpt_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
               pool=TRAINING_POOL, **spec)
     def train_ckpt(context: dg.AssetExecutionContext, store: ArtifactStoreResource, training: TrainingLauncherResource,
                    jax_runtime: JaxRuntimeResource, tracking: TrackingResource):
+        mode = training.validate_mode()  # a bad launcher setting fails here, in one line, before any work
         pipe = _run_pipe(exp, store)
         fp = pipe.address("train_ckpt").fingerprint
         used = _verify_inputs(context, dep, node, pipe)
@@ -444,8 +530,10 @@ def _train_ckpt_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
             run_pipe = pipe.with_config(cfg)  # same addresses: shared, not recomputed
         except ValueError:
             raise dg.Failure("runtime overrides changed the run's fingerprint") from None
-        if training.validate_mode() == "pipes":
+        if mode == "pipes":
             res, extra = yield from _train_with_pipes(context, node.key, run_pipe, fp, cfg, store, training, jax_runtime)
+        elif mode == "ray":
+            res, extra = yield from _train_on_ray(context, node.key, run_pipe, fp, cfg, store, training, jax_runtime)
         else:
             res, extra = yield from _train_in_process(context, node.key, run_pipe, fp, training.poll_seconds)
         _log(context, res)

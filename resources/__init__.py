@@ -7,8 +7,9 @@ pipeline checks that the run's fingerprint is unchanged by them.
 
 * :class:`ArtifactStoreResource` -- the content-addressed store root (local folder or fsspec URL).
 * :class:`TrainingLauncherResource` -- ``pipes`` (default: training runs as its own process,
-  ``python -m lm_pipeline.pipes_train``, through Dagster Pipes; the process may preload tcmalloc)
-  or ``in_process`` (tests, notebooks).
+  ``python -m lm_pipeline.pipes_train``, through Dagster Pipes; the process may preload tcmalloc),
+  ``in_process`` (tests, notebooks) or ``ray`` (one Ray job on a cluster running N processes of
+  one ``jax.distributed`` run, Pipes messages read from the job's log: docs/cluster.md).
 * :class:`JaxRuntimeResource` -- ``JAX_PLATFORMS``, the mesh's model axis, ``jax.distributed``.
 * :class:`TrackingResource` -- Weights & Biases (used directly, not through dagster-wandb) and
   TensorBoard, besides the always-on JSONL metrics log.
@@ -17,6 +18,7 @@ pipeline checks that the run's fingerprint is unchanged by them.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
@@ -27,12 +29,17 @@ __all__ = [
     "JaxRuntimeResource",
     "TrackingResource",
     "TrainingLauncherResource",
+    "RAY_ADDRESS_ENV",
     "TRAIN_MODE_ENV",
     "apply_runtime_overrides",
 ]
 
-#: Environment variable choosing the default training mode: ``pipes`` or ``in_process``.
+#: Environment variable choosing the default training mode: ``pipes``, ``in_process`` or ``ray``.
 TRAIN_MODE_ENV = "LM_PIPELINE_TRAIN_MODE"
+#: Environment variable with the Ray cluster's job API address for ``ray`` mode (else ``$RAY_ADDRESS``).
+RAY_ADDRESS_ENV = "LM_PIPELINE_RAY_ADDRESS"
+TRAIN_MODES = ("pipes", "in_process", "ray")
+_RAY_ADDRESS_RE = re.compile(r"^(https?://)?[A-Za-z0-9_.\-]+:\d{1,5}/?$|^(https?://)[A-Za-z0-9_.\-]+/?$")
 
 class ArtifactStoreResource(dg.ConfigurableResource):
     """Root of the content-addressed artifact store: ``<root>/<stage>/<fingerprint>/``."""
@@ -89,25 +96,98 @@ class TrackingResource(dg.ConfigurableResource):
 
 
 class TrainingLauncherResource(dg.ConfigurableResource):
-    """How ``train_ckpt`` runs: its own process through Dagster Pipes, or in the step's process."""
+    """How ``train_ckpt`` runs: its own process through Dagster Pipes (default), in the step's
+    process, or as N processes of one ``jax.distributed`` run on a Ray cluster (``ray``)."""
 
-    mode: str = "pipes"  # 'pipes' | 'in_process'
+    mode: str = "pipes"  # 'pipes' | 'in_process' | 'ray'
     python_executable: str = sys.executable
     module: str = "lm_pipeline.pipes_train"
     preload_tcmalloc: bool = True  # LD_PRELOAD a tcmalloc found on the machine (pipes mode only)
     tcmalloc_path: str | None = None  # explicit library; None = lm_pipeline.launch.find_tcmalloc
     extra_env: dict[str, str] = {}
     poll_seconds: float = 0.5  # how often checkpoints and metrics are forwarded to Dagster
+    # -- ray mode (docs/cluster.md) --
+    ray_address: str | None = None  # the cluster's job API (dashboard), http://<head>:8265; None = $LM_PIPELINE_RAY_ADDRESS or $RAY_ADDRESS
+    ray_num_processes: int = 2  # processes of the jax.distributed run (one Ray actor each)
+    ray_cpus_per_process: float = 1.0
+    ray_gpus_per_process: float = 0.0
+    ray_resources_per_process: dict[str, float] = {}  # e.g. {"TPU": 4}
+    ray_placement_strategy: str = "SPREAD"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    ray_runtime_env: dict[str, Any] = {}  # the job's Ray runtime_env (env_vars, pip, working_dir, ...)
+    ray_python: str = "python"  # the interpreter on the cluster's head node that runs the job's driver
+    ray_start_timeout_s: float = 600.0  # how long the job waits for the cluster to grant the processes
 
     @classmethod
     def from_env(cls) -> TrainingLauncherResource:
         mode = os.environ.get(TRAIN_MODE_ENV, "pipes").strip() or "pipes"
-        return cls(mode=mode)
+        return cls(mode=mode, ray_address=os.environ.get(RAY_ADDRESS_ENV) or None)
 
     def validate_mode(self) -> str:
-        if self.mode not in ("pipes", "in_process"):
-            raise dg.Failure(f"training mode must be 'pipes' or 'in_process', got {self.mode!r} (${TRAIN_MODE_ENV})")
+        """The mode, checked; in ``ray`` mode also the packages and the settings (one line each,
+        before anything is computed)."""
+        if self.mode not in TRAIN_MODES:
+            raise dg.Failure(f"training mode must be one of {', '.join(TRAIN_MODES)}, got {self.mode!r} (${TRAIN_MODE_ENV})",
+                             allow_retries=False)
+        if self.mode == "ray":
+            self.ray_spec()
+            self.resolved_ray_address()
         return self.mode
+
+    def ray_spec(self):
+        """The run's layout on the cluster (:class:`lm_pipeline.cluster.ray_train.RayTrainSpec`)."""
+        from lm_pipeline.cluster import ClusterError, require_ray
+        from lm_pipeline.cluster.ray_train import RayTrainSpec
+
+        try:
+            require_ray()
+            try:
+                import dagster_ray  # noqa: F401  (its Pipes message reader tails the job's log)
+            except ImportError as e:
+                from lm_pipeline.cluster import INSTALL_HINT
+
+                raise ClusterError(f"training on Ray needs the 'dagster-ray' package ({e}); {INSTALL_HINT}") from None
+            return RayTrainSpec(num_processes=self.ray_num_processes, cpus_per_process=self.ray_cpus_per_process,
+                                gpus_per_process=self.ray_gpus_per_process,
+                                resources_per_process=dict(self.ray_resources_per_process),
+                                placement_strategy=self.ray_placement_strategy,
+                                start_timeout_s=self.ray_start_timeout_s).validate()
+        except ClusterError as e:
+            raise dg.Failure(f"training resource (mode 'ray'): {e}", allow_retries=False) from None
+
+    def resolved_ray_address(self) -> str:
+        """The job API address: ``ray_address``, else ``$LM_PIPELINE_RAY_ADDRESS`` or ``$RAY_ADDRESS``."""
+        addr = self.ray_address or os.environ.get(RAY_ADDRESS_ENV) or os.environ.get("RAY_ADDRESS")
+        if not addr:
+            raise dg.Failure("training resource (mode 'ray'): no cluster address; set ray_address (the job API, "
+                             f"http://<head>:8265) or ${RAY_ADDRESS_ENV}", allow_retries=False)
+        if not _RAY_ADDRESS_RE.match(addr.strip()):
+            raise dg.Failure(f"training resource (mode 'ray'): ray_address {addr!r} is not a Ray job API address "
+                             "(http://<head>:8265 or <head>:8265)", allow_retries=False)
+        return addr.strip()
+
+    def ray_job_client(self):
+        """A ``ray.job_submission.JobSubmissionClient`` for the cluster, or a one-line failure."""
+        addr = self.resolved_ray_address()
+        from ray.job_submission import JobSubmissionClient
+
+        try:
+            return JobSubmissionClient(addr if "://" in addr else f"http://{addr}")
+        except Exception as e:
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            raise dg.Failure(f"cannot reach the Ray cluster's job API at {addr}: {type(e).__name__}: "
+                             f"{lines[0] if lines else ''}", allow_retries=False) from None
+
+    def ray_entrypoint(self) -> str:
+        from lm_pipeline.cluster.ray_train import ENTRYPOINT_MODULE
+
+        return f"{self.ray_python} -m {ENTRYPOINT_MODULE}"
+
+    def ray_job_runtime_env(self, env: dict[str, str]) -> dict[str, Any]:
+        """``ray_runtime_env`` with ``extra_env`` and ``env`` (Pipes bootstrap, JAX platform) in its
+        ``env_vars``; every process of the job inherits them."""
+        runtime_env = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.ray_runtime_env.items()}
+        runtime_env["env_vars"] = {**self.extra_env, **dict(runtime_env.get("env_vars") or {}), **env}
+        return runtime_env
 
     def command(self) -> list[str]:
         return [self.python_executable, "-m", self.module]

@@ -1,0 +1,306 @@
+"""One training run as N processes of one ``jax.distributed`` job on a Ray cluster.
+
+Two layers, neither needing Dagster:
+
+* :func:`run_on_ray` (call it from any Ray driver): reserves a placement group of N bundles
+  (spread over nodes when possible), starts one :class:`TrainProcess` actor per bundle, takes
+  process 0's node address and a free port as the ``jax.distributed`` coordinator and runs the
+  same training entry in every process with ``trainer.distributed`` set (``process_id`` 0..N-1).
+  Every process reads only its slice of each global batch; process 0 writes the metrics log and
+  the manifest, all processes write their shards of each checkpoint. When any process dies or
+  fails, the others are killed and :class:`TrainProcessFailed` names it: the run resumes from
+  its latest complete checkpoint when started again.
+* :func:`main` (``python -m lm_pipeline.cluster.ray_train``): the entrypoint of the Ray *job*
+  that the Dagster training resource submits in ``ray`` mode. It is a Dagster Pipes process:
+  it reads the run config, store root, expected fingerprint and the Ray layout from the Pipes
+  extras, relays process 0's metrics and every complete checkpoint (watched in the store) as
+  Pipes messages on its stdout -- the job's log, which ``dagster-ray``'s
+  ``PipesRayJobMessageReader`` tails -- and reports the materialization at the end. The
+  processes' own log lines reach the job log too (Ray forwards them to the driver).
+
+Ray is imported lazily (:func:`lm_pipeline.cluster.require_ray`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lm_pipeline.cluster import ClusterError, require_ray
+
+log = logging.getLogger(__name__)
+
+#: ``python -m`` target of the Ray job (the Pipes process).
+ENTRYPOINT_MODULE = "lm_pipeline.cluster.ray_train"
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+class TrainProcessFailed(RuntimeError):
+    """A process of the run died or raised; the others were stopped (one line)."""
+
+
+@dataclass(frozen=True)
+class RayTrainSpec:
+    """How a run is laid out on the cluster: N processes, what each reserves, where they go."""
+
+    num_processes: int = 2
+    cpus_per_process: float = 1.0
+    gpus_per_process: float = 0.0
+    resources_per_process: dict[str, float] = field(default_factory=dict)  # e.g. {"TPU": 4}
+    placement_strategy: str = "SPREAD"  # Ray placement group strategy (SPREAD: one node each if possible)
+    start_timeout_s: float = 600.0  # how long to wait for the cluster to grant the bundles
+
+    def validate(self) -> RayTrainSpec:
+        if int(self.num_processes) != self.num_processes or self.num_processes < 1:
+            raise ClusterError(f"num_processes must be a positive integer, got {self.num_processes!r}")
+        for name in ("cpus_per_process", "gpus_per_process"):
+            if getattr(self, name) < 0:
+                raise ClusterError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.placement_strategy not in STRATEGIES:
+            raise ClusterError(f"placement_strategy must be one of {', '.join(STRATEGIES)}, got {self.placement_strategy!r}")
+        return self
+
+    def bundle(self) -> dict[str, float]:
+        b = {"CPU": float(self.cpus_per_process), **{k: float(v) for k, v in self.resources_per_process.items()}}
+        if self.gpus_per_process:
+            b["GPU"] = float(self.gpus_per_process)
+        return {k: v for k, v in b.items() if v}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RayTrainSpec:
+        return cls(**dict(d)).validate()
+
+
+def _first_line(e: BaseException) -> str:
+    cause = getattr(e, "cause", None) or e  # RayTaskError carries the worker's exception
+    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class _FollowerStore:
+    """The store as processes 1..N-1 see it: no builder lock (process 0 holds it for the run)
+    and no manifest (process 0 commits it); everything else is the real store."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def lock(self, art, timeout=None):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def commit(self, art, info):
+        return {"stage": art.stage, "fingerprint": art.fingerprint, **info}
+
+
+class TrainProcess:
+    """One process of the run (a Ray actor; ``max_concurrency=2`` so :meth:`drain` answers
+    while :meth:`train` runs)."""
+
+    def __init__(self, process_id: int, num_processes: int):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.process_id, self.num_processes = process_id, num_processes
+        self._messages: collections.deque = collections.deque()
+
+    def describe(self) -> dict[str, Any]:
+        import ray
+
+        return {"process_id": self.process_id, "pid": os.getpid(), "ip": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname()}
+
+    def coordinator_address(self) -> str:
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        return f"{ip}:{_free_port(ip)}"
+
+    def drain(self) -> list[dict[str, Any]]:
+        out = []
+        while self._messages:
+            out.append(self._messages.popleft())
+        return out
+
+    def train(self, config_yaml: str, store_root: str, coordinator: str, expected_fingerprint: str | None) -> dict[str, Any]:
+        import yaml
+
+        from lm_pipeline.config import RunConfig, apply_overrides
+        from lm_pipeline.pipes_train import _metadata, fault_hooks
+        from lm_pipeline.schema import from_dict
+        from lm_pipeline.steps import Pipeline
+        from lm_pipeline.store import ArtifactStore
+        from lm_pipeline.train.trainer import Hook
+
+        pid, n = self.process_id, self.num_processes
+        raw = apply_overrides(yaml.safe_load(config_yaml), [
+            ("trainer.distributed.coordinator_address", coordinator), ("trainer.distributed.num_processes", n),
+            ("trainer.distributed.process_id", pid), ("trainer.distributed.initialize", n > 1)])
+        cfg = from_dict(RunConfig, raw)
+        store = ArtifactStore(store_root)
+        pipe = Pipeline(cfg, store if pid == 0 else _FollowerStore(store), progress=False)
+        fp = pipe.address("train_ckpt").fingerprint
+        if expected_fingerprint and fp != expected_fingerprint:
+            raise RuntimeError(f"train_ckpt fingerprint {fp} differs from the orchestrator's {expected_fingerprint}; "
+                               "the data or the code changed under the run")
+        hooks = []
+        if pid == 0:
+            def on_metrics(info) -> None:
+                metrics = {k: float(v) for k, v in (info.metrics or {}).items() if isinstance(v, (int, float))}
+                if metrics:
+                    self._messages.append({"type": "metrics", "step": int(info.step), "metrics": metrics})
+
+            hooks.append(Hook(on_metrics, every=cfg.trainer.log_every))
+        hooks += fault_hooks(pipe.run_dir())
+        log.info("train_ckpt %s: process %d of %d (pid %d), coordinator %s", fp, pid, n, os.getpid(), coordinator)
+        res = pipe.train_ckpt(hooks=hooks)
+        return {"process_id": pid, "fingerprint": res.fingerprint, "metadata": _metadata(res) if pid == 0 else None}
+
+
+def run_on_ray(config_yaml: str, store_root: str, spec: RayTrainSpec, *, expected_fingerprint: str | None = None,
+               on_event: Callable[[dict[str, Any]], None] | None = None, poll_seconds: float = 1.0) -> dict[str, Any]:
+    """Train the run of ``config_yaml`` as ``spec.num_processes`` processes on the connected Ray
+    cluster; process 0's result (``fingerprint``, ``metadata``). ``on_event`` gets
+    ``{"type": "processes", ...}`` once and process 0's ``{"type": "metrics", ...}`` as they come."""
+    ray = require_ray()
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    spec.validate()
+    emit = on_event or (lambda event: None)
+    n = spec.num_processes
+    pg = placement_group([spec.bundle()] * n, strategy=spec.placement_strategy)
+    actors: list = []
+    try:
+        ready, _ = ray.wait([pg.ready()], timeout=spec.start_timeout_s)
+        if not ready:
+            raise ClusterError(f"the Ray cluster did not grant {n} x {spec.bundle()} ({spec.placement_strategy}) within "
+                               f"{spec.start_timeout_s:.0f} s: {ray.available_resources()} available")
+        actor_cls = ray.remote(TrainProcess)
+        for i in range(n):
+            actors.append(actor_cls.options(
+                num_cpus=spec.cpus_per_process, num_gpus=spec.gpus_per_process,
+                resources=dict(spec.resources_per_process) or None, max_concurrency=2,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            ).remote(i, n))
+        procs = ray.get([a.describe.remote() for a in actors])
+        emit({"type": "processes", "processes": procs})
+        coordinator = ray.get(actors[0].coordinator_address.remote()) if n > 1 else None
+        refs = {a.train.remote(config_yaml, store_root, coordinator, expected_fingerprint): i for i, a in enumerate(actors)}
+
+        def relay() -> None:
+            try:
+                for m in ray.get(actors[0].drain.remote(), timeout=max(5.0, poll_seconds)):
+                    emit(m)
+            except Exception:  # process 0 is gone or busy: the wait below tells which
+                pass
+
+        pending, results = list(refs), {}
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_seconds)
+            for ref in done:
+                i = refs[ref]
+                try:
+                    results[i] = ray.get(ref)
+                except Exception as e:
+                    p = procs[i]
+                    raise TrainProcessFailed(f"training process {i} of {n} (pid {p['pid']} on {p['ip']}) failed: "
+                                             f"{_first_line(e)}; the other processes were stopped") from None
+            relay()
+        relay()
+        return {**results[0], "processes": procs}
+    finally:
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already gone
+                pass
+        remove_placement_group(pg)
+
+
+def main() -> int:
+    """The Ray job's entrypoint: a Dagster Pipes process driving :func:`run_on_ray`."""
+    import yaml
+    from dagster_pipes import open_dagster_pipes
+
+    from lm_pipeline.config import RunConfig
+    from lm_pipeline.pipes_train import CheckpointWatcher
+    from lm_pipeline.schema import from_dict
+    from lm_pipeline.steps import Pipeline
+    from lm_pipeline.store import ArtifactStore
+
+    # Pipes messages are lines on stdout, interleaved with the processes' forwarded logs: whole lines.
+    sys.stdout.reconfigure(line_buffering=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with open_dagster_pipes() as pipes:
+        extras = pipes.extras
+        spec = RayTrainSpec.from_dict(extras["ray"])
+        cfg = from_dict(RunConfig, yaml.safe_load(extras["config"]))
+        pipe = Pipeline(cfg, ArtifactStore(extras["store_root"]), progress=False)
+        fp = pipe.address("train_ckpt").fingerprint
+        expected = extras.get("expected_fingerprint")
+        if expected and fp != expected:
+            raise RuntimeError(f"train_ckpt fingerprint {fp} differs from the orchestrator's {expected}")
+        run_dir = pipe.run_dir()
+        poll = float(extras.get("poll_seconds", 1.0))
+        lock = threading.Lock()  # the watcher's thread and the driver loop both write messages
+
+        def on_checkpoint(c: dict[str, Any]) -> None:
+            with lock:
+                pipes.report_custom_message({"type": "checkpoint", "run_fingerprint": fp, **c})
+                pipes.log.info(f"checkpoint step {c['step']} ({c['kind']}) complete: {c['path']}")
+
+        def on_event(m: dict[str, Any]) -> None:
+            with lock:
+                pipes.report_custom_message(m)
+                if m.get("type") == "metrics":
+                    shown = ", ".join(f"{k}={v:.4g}" for k, v in m["metrics"].items() if k.startswith(("train/", "eval/")))
+                    pipes.log.info(f"step {m['step']}: {shown}")
+                elif m.get("type") == "processes":
+                    where = "; ".join(f"process {p['process_id']}: pid {p['pid']} on {p['ip']} (node {p['node_id'][:8]})"
+                                      for p in m["processes"])
+                    pipes.log.info(f"train_ckpt {fp}: {len(m['processes'])} processes: {where}")
+
+        ray = require_ray()
+        ray.init(log_to_driver=True)  # inside a Ray job: the job's cluster
+        t0 = time.perf_counter()
+        watcher = CheckpointWatcher(run_dir, on_checkpoint).start(poll)
+        try:
+            result = run_on_ray(extras["config"], extras["store_root"], spec, expected_fingerprint=fp,
+                                on_event=on_event, poll_seconds=poll)
+        except (TrainProcessFailed, ClusterError) as e:
+            watcher.stop()
+            pipes.log.error(str(e))
+            print(f"lm_pipeline.cluster.ray_train: {e}", file=sys.stderr, flush=True)
+            return 1
+        watcher.stop()
+        md = dict(result["metadata"] or {})
+        md["seconds"] = round(time.perf_counter() - t0, 3)
+        md["num_processes"] = spec.num_processes
+        md["ray_processes"] = {"raw_value": result["processes"], "type": "json"}
+        md["reported_by"] = f"ray job driver {os.getpid()} ({spec.num_processes} processes)"
+        pipes.report_asset_materialization(asset_key=extras.get("asset_key") or "train_ckpt", metadata=md,
+                                           data_version=result["fingerprint"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
