@@ -9,7 +9,10 @@ log-normal around 3 kB (200 B - 200 kB). Each size is a prefix of the shard list
 has the same mix. A byte-level BPE (vocab 2048) is trained once on a fixed 8 MB sample drawn with
 another seed.
 
-For each size, smallest first:
+For each size, largest first (so the figures that matter most come first on a busy machine), in
+child processes with tcmalloc preloaded as the ``lm-pipeline`` command line runs (``--allocator
+glibc`` for plain malloc; with glibc the builder's RSS creeps up slowly with the bytes written --
+allocator arenas of TensorStore's threads -- see ``docs/benchmarks.md``):
 
 1. **Build** -- a fresh child process resolves the shards through the real data path
    (:func:`lm_pipeline.data.sources.resolve.resolve_shards`: fingerprints = sha256 of the
@@ -24,7 +27,8 @@ For each size, smallest first:
    whose stored layout is derived on first open) and reads ``--batches`` step batches of 8 rows
    through :class:`~lm_pipeline.batch.StepBatchSource` synchronously (after 5 warm-up batches):
    per-batch time (median, p95) and RSS after importing, after opening, after the batches, and
-   its peak. The cache is deleted after this step (at most one cache on disk at a time).
+   its peak. 1000 batches of 8 random rows touch more distinct 16 KiB chunks than TensorStore's
+   64 MB chunk cache holds, so the cache is full at every size and the RSS is comparable. The cache is deleted after this step (at most one cache on disk at a time).
 3. **Train step** -- once, in a child process: the real jitted train step
    (``bench/scaling.py``'s :class:`StepTimer`: GPT-2 4 layers x width 128, context 128, batch 8,
    f32, AdamW, one CPU device), median of ``--steps``; loader ms / step ms is the share of a
@@ -36,7 +40,8 @@ printed). Caches are read while still in the page cache (the machine has more me
 largest cache): loader times are warm-cache times.
 
     python bench/scaling_large.py [--sizes-mb 128,256,512,1024] [--shard-mb 8] [--workers 2]
-                                  [--batches 300] [--smoke] [--work-root /tmp]
+                                  [--batches 1000] [--allocator tcmalloc]
+                                  [--smoke] [--work-root /tmp]
 
 ``--smoke``: 1/2/4 MB in 0.5 MB shards, 1 worker, 20 batches, a tiny model (seconds; the test).
 
@@ -122,9 +127,29 @@ class TreeSampler:
         return self.peak_mb
 
 
+def child_env(allocator: str) -> dict[str, str]:
+    """The children's environment: tcmalloc preloaded (as the ``lm-pipeline`` command line runs) or
+    plain glibc malloc."""
+    from lm_pipeline import launch
+
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", JAX_PLATFORMS="cpu")
+    kept = [x for x in env.get("LD_PRELOAD", "").replace(":", " ").split() if "tcmalloc" not in x]
+    if allocator == "tcmalloc":
+        lib = launch.find_tcmalloc()
+        if lib is None:
+            raise SystemExit("--allocator tcmalloc: no tcmalloc library found (use --allocator glibc)")
+        kept.append(lib)
+    env["LD_PRELOAD"] = " ".join(kept)
+    env[launch.OPT_OUT_ENV] = "1"
+    return env
+
+
+CHILD_ENV: dict[str, str] = {}
+
+
 def run_child(mode: str, payload: dict, timeout: float | None = None) -> tuple[dict, float]:
     """Run this script as ``--_<mode> <json>`` in a fresh process; (its ``<MODE> {json}`` line, tree peak RSS MB)."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", JAX_PLATFORMS="cpu")
+    env = CHILD_ENV or dict(os.environ, TOKENIZERS_PARALLELISM="false", JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, __file__, f"--_{mode}", json.dumps(payload)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     sampler = TreeSampler(proc.pid)
@@ -315,7 +340,7 @@ def sweep(args, work: str) -> dict:
     step, _ = run_child("step", {**step_shape, "steps": args.steps})
     print(f"train step ({step_shape}, batch {BATCH}): {step['step_ms_median']:.1f} ms", flush=True)
     rows = []
-    for mb in sizes:
+    for mb in sorted(sizes, reverse=True):  # the largest first: its figures are the ones that must come
         n = max(1, round(mb / shard_mb))
         urls = [s["path"] for s in shards[:n]]
         out = os.path.join(work, f"cache-{mb:g}")
@@ -339,6 +364,8 @@ def sweep(args, work: str) -> dict:
                   f"peak {ld['peak_mb']:.0f} MB", flush=True)
         shutil.rmtree(out, ignore_errors=True)
         rows.append(row)
+        print("ROW " + json.dumps(row), flush=True)
+    rows.sort(key=lambda r: r["mb"])
     fit = linear_fit([r["mb"] for r in rows], [r["build_s"] for r in rows])
     cpu_fit = linear_fit([r["mb"] for r in rows], [r["cpu_s"] for r in rows])
     rates = [r["mb_per_s"] for r in rows]
@@ -386,12 +413,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes-mb", default="128,256,512,1024", help="comma-separated corpus sizes (MB of text)")
     p.add_argument("--shard-mb", type=float, default=8.0, help="MB of text per shard file")
     p.add_argument("--workers", type=int, default=2, help="tokenizer worker processes of build_cache")
-    p.add_argument("--batches", type=int, default=300, help="timed loader batches per cache and packing")
+    p.add_argument("--batches", type=int, default=1000,
+                   help="timed loader batches per cache and packing (1000 x 8 rows fill TensorStore's 64 MB chunk cache)")
     p.add_argument("--packings", default="concat,greedy")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=10, help="timed train steps")
     p.add_argument("--sample-mb", type=float, default=SAMPLE_MB, help="tokenizer training sample")
     p.add_argument("--work-root", default=tempfile.gettempdir(), help="where the temporary directory goes")
+    p.add_argument("--allocator", choices=("tcmalloc", "glibc"), default="tcmalloc",
+                   help="malloc of the measured children (the command line preloads tcmalloc when installed)")
     p.add_argument("--smoke", action="store_true", help="1/2/4 MB, 0.5 MB shards, 1 worker, 20 batches, tiny model")
     for mode in ("build", "loader", "step"):
         p.add_argument(f"--_{mode}", dest=f"child_{mode}", default=None, help=argparse.SUPPRESS)
@@ -411,11 +441,18 @@ def main(argv: list[str] | None = None) -> None:
     if free < need:
         p.error(f"{args.work_root}: {free / 1e9:.1f} GB free, need about {need / 1e9:.1f} GB")
     cores = len(os.sched_getaffinity(0))
+    from lm_pipeline import launch
+
+    if args.allocator == "tcmalloc" and launch.find_tcmalloc() is None:
+        args.allocator = "glibc"
+        print("no tcmalloc library found: the children use glibc malloc", flush=True)
+    CHILD_ENV.update(child_env(args.allocator))
     res: dict = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "cores": cores,
                  "load_start": loadavg(), "smoke": args.smoke, "workers": args.workers, "seq_len": args.seq_len,
-                 "batch": BATCH, "sizes_mb": args.sizes_mb, "packings": args.packings}
-    print(f"{cores} cores, load average {res['load_start']:.2f}; sizes {args.sizes_mb} MB, {args.workers} workers",
-          flush=True)
+                 "batch": BATCH, "sizes_mb": args.sizes_mb, "packings": args.packings,
+                 "allocator": args.allocator}
+    print(f"{cores} cores, load average {res['load_start']:.2f}; sizes {args.sizes_mb} MB, {args.workers} workers, "
+          f"{args.allocator} malloc", flush=True)
     t0 = time.perf_counter()
     work = tempfile.mkdtemp(prefix="lm_scaling_large_", dir=args.work_root)
     try:

@@ -57,7 +57,7 @@ def test_scaling_large_smoke(tmp_path):
             assert ld["batches"] == 20 and 0 < ld["batch_ms_median"] <= ld["batch_ms_p95"]
             assert 0 < ld["rss_import_mb"] <= ld["peak_mb"] and ld["rows"] > 0
         assert r["loader"]["concat"]["rows"] == r["tokens"] // res["seq_len"]
-    assert res["step"]["step_ms_median"] > 0
+    assert res["step"]["step_ms_median"] > 0 and res["allocator"] in ("tcmalloc", "glibc")
     assert res["ratio"] == round(rows[-1]["builder_peak_mb"] / rows[0]["builder_peak_mb"], 4)
     assert res["fit"]["slope"] > 0 and res["cpu_fit"]["r2"] > 0
     assert list(tmp_path.iterdir()) == []  # corpus and caches removed
