@@ -186,6 +186,7 @@ def download_tree(url: PathLike, local_dir: str) -> str:
         return local_dir
     store, inner = get_fs(url)
     inner = inner.rstrip("/")
+    _fresh(store, inner)
     for name in store.find(inner):
         rel = name[len(inner):].lstrip("/")
         if not rel:
@@ -236,10 +237,19 @@ def basename(path: PathLike) -> str:
     return os.path.basename(text) if is_local(text) else text.rstrip("/").rsplit("/", 1)[-1]
 
 
+def _fresh(store: fsspec.AbstractFileSystem, inner: str) -> None:
+    """Forget what fsspec's listing cache holds about ``inner`` (and its parents): another process
+    may have written it since, and s3fs answers reads of a path in a cached listing from the cache
+    (a manifest written elsewhere would stay invisible)."""
+    with contextlib.suppress(Exception):
+        store.invalidate_cache(inner)
+
+
 def exists(path: PathLike) -> bool:
     if is_local(path):
         return os.path.exists(local_path(path))
     fs, inner = get_fs(path)
+    _fresh(fs, inner)
     return fs.exists(inner)
 
 
@@ -250,6 +260,7 @@ def read_bytes(path: PathLike) -> bytes | None:
             with open(local_path(path), "rb") as f:
                 return f.read()
         fs, inner = get_fs(path)
+        _fresh(fs, inner)
         return fs.cat_file(inner)
     except _MISSING:
         return None
@@ -278,7 +289,7 @@ def listdir(path: PathLike) -> list[tuple[str, bool]]:
             return []
     fs, inner = get_fs(path)
     try:
-        fs.invalidate_cache(inner)  # another process may have written since the last listing
+        _fresh(fs, inner)  # another process may have written since the last listing
         entries = fs.ls(inner, detail=True)
     except (FileNotFoundError, NotADirectoryError):
         return []
