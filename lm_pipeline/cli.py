@@ -21,7 +21,6 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from lm_pipeline.schema import ConfigError
 from lm_pipeline.steps.stages import STAGES
@@ -124,13 +123,14 @@ def _resolve_checkpoint(path: str) -> str:
 
 def _eval(cfg, ckpt: str, output_dir: str | None) -> int:
     """Evaluate ``ckpt`` on the config's validation sets, tokenized with the checkpoint's tokenizer."""
+    from lm_pipeline import fs
     from lm_pipeline.config import load_config
     from lm_pipeline.data.config import TokenizerConfig
     from lm_pipeline.eval import evaluate_checkpoint, write_report
     from lm_pipeline.steps import Pipeline
 
-    trained = load_config(Path(ckpt) / "config.yaml")
-    tok = TokenizerConfig(kind="hf", name_or_path=str(Path(ckpt) / "tokenizer"))
+    trained = load_config(fs.join(ckpt, "config.yaml"))  # a local dir or a URL
+    tok = TokenizerConfig(kind="hf", name_or_path=fs.join(ckpt, "tokenizer"))
     cfg = dataclasses.replace(cfg, model=trained.model, data=dataclasses.replace(cfg.data, tokenizer=tok))
     pipe = Pipeline(cfg)
     cache = pipe.token_cache()
@@ -139,7 +139,7 @@ def _eval(cfg, ckpt: str, output_dir: str | None) -> int:
     df = evaluate_checkpoint(ckpt, evals, batch_size=ev.batch_size, max_eval_batches=ev.max_eval_batches,
                              compute_dtype=ev.compute_dtype,
                              train_cache=f"{cache.path}/train" if ev.unigram_baseline else None)
-    out = output_dir or ev.report_dir or str(Path(ckpt) / "eval")
+    out = output_dir or ev.report_dir or fs.join(ckpt, "eval")
     files = write_report(df, out)
     cols = [c for c in ("dataset", "step", "loss", "perplexity", "bpb", "unigram_bpb", "tokens") if c in df.columns]
     print(df[cols].to_string(index=False))

@@ -13,11 +13,14 @@ Plots are a nicety: a missing matplotlib, an empty log or an unwritable director
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
-import os
 from typing import Any
+
+from lm_pipeline import fs
+from lm_pipeline.atomic import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +35,17 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
     """The records of ``<run_dir>/metrics.jsonl`` (torn or malformed lines skipped; [] if absent)."""
     out: list[dict[str, Any]] = []
     try:
-        with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(r, dict) and _num(r.get("step")):
-                    out.append(r)
-    except OSError:
+        text = fs.read_text(fs.join(run_dir, "metrics.jsonl"))
+        if text is None:
+            return out
+        for line in text.splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(r, dict) and _num(r.get("step")):
+                out.append(r)
+    except (OSError, UnicodeDecodeError):
         pass
     return out
 
@@ -63,11 +68,11 @@ def _elapsed_throughput(records: list[dict[str, Any]]) -> list[tuple[float, floa
 def _save(fig, path: str) -> str:
     import matplotlib.pyplot as plt
 
-    tmp = path + ".tmp.png"
+    buf = io.BytesIO()
     fig.tight_layout()
-    fig.savefig(tmp, format="png")
+    fig.savefig(buf, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, buf.getvalue())  # a local path or a URL
     return path
 
 
@@ -100,20 +105,19 @@ def write_training_plots(run_dir: str) -> list[str]:
         import matplotlib
 
         matplotlib.use("Agg", force=True)
-        out_dir = os.path.join(run_dir, PLOTS_DIR)
-        os.makedirs(out_dir, exist_ok=True)
+        out_dir = fs.join(run_dir, PLOTS_DIR)
         bpb_keys = sorted({k for r in records for k in r if k.startswith("eval/") and k.endswith("/bpb")})
         written = [
-            _line_plot(os.path.join(out_dir, "loss.png"),
+            _line_plot(fs.join(out_dir, "loss.png"),
                        {"train/loss": _series(records, "train/loss"), "eval/loss": _series(records, "eval/loss")},
                        xlabel="step", ylabel="loss (nats/token)", title="loss"),
-            _line_plot(os.path.join(out_dir, "learning_rate.png"),
+            _line_plot(fs.join(out_dir, "learning_rate.png"),
                        {"learning rate": _series(records, "optim/learning_rate")},
                        xlabel="step", ylabel="learning rate", title="learning rate"),
-            _line_plot(os.path.join(out_dir, "eval_bpb.png"),
+            _line_plot(fs.join(out_dir, "eval_bpb.png"),
                        {k[len("eval/"):-len("/bpb")]: _series(records, k) for k in bpb_keys},
                        xlabel="step", ylabel="bits per byte", title="eval bpb per checkpoint", markers=True),
-            _line_plot(os.path.join(out_dir, "tokens_per_second.png"),
+            _line_plot(fs.join(out_dir, "tokens_per_second.png"),
                        {"tokens/s": _elapsed_throughput(records)},
                        xlabel="elapsed training time (s)", ylabel="tokens/s", title="throughput"),
         ]
@@ -136,7 +140,6 @@ def write_eval_plot(rows: list[dict[str, Any]], path: str) -> str | None:
         import matplotlib
 
         matplotlib.use("Agg", force=True)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         return _line_plot(path, {k: sorted(v) for k, v in lines.items()}, xlabel="checkpoint step",
                           ylabel="bits per byte", title="eval bpb per checkpoint", markers=True)
     except Exception as e:  # noqa: BLE001

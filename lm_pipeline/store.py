@@ -2,10 +2,12 @@
 
 Every artifact lives at ``<root>/<stage>/<fingerprint>/``. It is complete when its
 ``manifest.json`` exists; the manifest is written last and atomically, so partial output never
-looks done. A present manifest is a cache hit and means no work. Writers of the same address
-take an exclusive lock (``fcntl.flock`` on local roots, released by the kernel if the process
+looks done. A present manifest is a cache hit and means no work. On local roots writers of the
+same address take an exclusive lock (``fcntl.flock``, released by the kernel if the process
 dies), so two concurrent writers never corrupt an artifact: the second waits, then sees the
-manifest and does nothing.
+manifest and does nothing. Object stores (``s3://``, ``gs://``, ...) have no locks: there the
+manifest-last rule alone keeps a partial artifact from ever looking complete, and a second
+concurrent writer of one address repeats the work (one builder per address is the rule).
 """
 
 from __future__ import annotations
@@ -153,8 +155,8 @@ class ArtifactStore:
 
     @contextlib.contextmanager
     def lock(self, art: Artifact, timeout: float | None = None) -> Iterator[None]:
-        """Exclusive lock for building ``art`` (local roots; a no-op on object stores); ``timeout``
-        in seconds, None waits forever."""
+        """Exclusive lock for building ``art`` (local roots; a no-op on object stores, see the
+        module docstring); ``timeout`` in seconds, None waits forever."""
         with contextlib.ExitStack() as stack:
             try:
                 stack.enter_context(fs.exclusive_lock(f"{self.root}/{art.stage}/.{art.fingerprint}.lock", timeout))

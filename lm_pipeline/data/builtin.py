@@ -144,6 +144,15 @@ def _shard_lines(docs: list[BuiltinDoc]) -> list[list[bytes]]:
     return shards
 
 
+def _write_corpus(directory: str, layout: dict, files: dict, manifest: dict) -> None:
+    """The corpus's JSONL shards and its manifest.json into the local ``directory``."""
+    for split, shards in layout.items():
+        for fn, lines in zip(files[split], shards, strict=True):
+            with open(os.path.join(directory, fn), "wb") as f:
+                f.writelines(lines)
+    with open(os.path.join(directory, "manifest.json"), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+
 def materialize_builtin(
     name: str,
     root: str | os.PathLike | None = None,
@@ -184,17 +193,25 @@ def materialize_builtin(
         },
         "files": files,
     }
+    from lm_pipeline import fs
+
+    if not fs.is_local(root):  # an object store: written locally, uploaded with manifest.json last
+        target = fs.join(root, name, digest[:16])
+        if not fs.exists(fs.join(target, "manifest.json")):
+            tmp = tempfile.mkdtemp(prefix="lm-pipeline-builtin-")
+            try:
+                _write_corpus(tmp, layout, files, manifest)
+                fs.upload_tree(tmp, target, last=("manifest.json",))
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return BuiltinCorpus(name=name, root=target, train=tuple(fs.join(target, f) for f in files["train"]),
+                             validation=tuple(fs.join(target, f) for f in files["validation"]), manifest=manifest)
     target = os.path.join(root, name, digest[:16])
     if not os.path.isfile(os.path.join(target, "manifest.json")):
         os.makedirs(os.path.dirname(target), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(target))
         try:
-            for split, shards in layout.items():
-                for fn, lines in zip(files[split], shards, strict=True):
-                    with open(os.path.join(tmp, fn), "wb") as f:
-                        f.writelines(lines)
-            with open(os.path.join(tmp, "manifest.json"), "w", encoding="utf-8") as f:
-                json.dump(manifest, f, indent=1, sort_keys=True)
+            _write_corpus(tmp, layout, files, manifest)
             try:
                 os.rename(tmp, target)
             except OSError:  # another process won the race; its content is identical

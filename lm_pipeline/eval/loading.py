@@ -67,11 +67,12 @@ def load_model_from_checkpoint(path: str | os.PathLike, *, dtype: Any = None) ->
     first local device. Parameters keep their saved dtype unless ``dtype`` is given.
     """
     from lm_pipeline.train.checkpoint import load, read_metadata
+    from lm_pipeline.train.checkpoint.remote import local_copy
 
     step_dir = resolve_checkpoint(path)
-    cfg_path = fs.as_local(fs.join(step_dir, CONFIG_FILE))
-    if cfg_path is None:
-        raise ValueError(f"{step_dir}: loading from a remote checkpoint is not supported here; copy it locally first")
+    if not fs.is_local(step_dir):  # an object store: read a local copy (downloaded once)
+        step_dir = local_copy(step_dir)
+    cfg_path = fs.local_path(fs.join(step_dir, CONFIG_FILE))
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{step_dir} has no {CONFIG_FILE}: cannot tell which model it holds")
     cfg = load_config(cfg_path)

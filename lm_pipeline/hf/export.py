@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from lm_pipeline import atomic
+from lm_pipeline import atomic, fs
 from lm_pipeline.eval.loading import load_model_from_checkpoint
 from lm_pipeline.faultpoints import faultpoint
 from lm_pipeline.hf.config import ExportConfig
@@ -147,7 +148,8 @@ def export_hf(
         source: a checkpoint dir (``step-<N>`` or a run dir: its latest checkpoint; model,
             config and ``tokenizer/`` come from it) or a model (then ``config`` defaults to
             ``model.config``).
-        out_dir: the export directory (local); replaced atomically if it exists and ``overwrite``.
+        out_dir: the export directory; replaced atomically if it exists and ``overwrite``. A URL
+            (``s3://``, ``gs://``, ...): written locally, then published by :func:`publish_dir`.
         tokenizer_dir: tokenizer files to copy (default: the checkpoint's); without one the
             export holds only the model and no token ids.
         vocab_size: vocabulary to export (default: the tokenizer's, else the model's); a model
@@ -159,6 +161,18 @@ def export_hf(
     Returns the export directory.
     """
     model, cfg, tok = _export_source(source, config, tokenizer_dir)
+    if not fs.is_local(out_dir):  # an object store: export locally, then publish (config.json last)
+        url = fs.norm(out_dir)
+        if not overwrite and fs.exists(fs.join(url, CONFIG_NAME)):
+            raise FileExistsError(f"{url} exists (pass overwrite=True to replace it)")
+        staging = tempfile.mkdtemp(prefix="lm-pipeline-export-")
+        try:
+            local = export_hf(model, os.path.join(staging, "export"), config=cfg, tokenizer_dir=tok,
+                              vocab_size=vocab_size, dtype=dtype, max_shard_size=max_shard_size, progress=progress)
+            publish_dir(local, url)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return url
     if vocab_size is None and tok is not None:
         from lm_pipeline.data.tokenizer import tokenizer_info
 
@@ -168,9 +182,7 @@ def export_hf(
     weights_dtype = _dtype_name(next(iter(state.values())).dtype)
     ids = _token_ids(tok)
 
-    out = os.path.abspath(os.fspath(out_dir))
-    if "://" in os.fspath(out_dir):
-        raise ValueError(f"export_hf writes local directories; got {out_dir!r} (export locally, then upload)")
+    out = fs.local_path(out_dir)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     atomic.remove_stale_temps(out)  # left by an export that was killed (exports of one directory run one at a time)
@@ -190,6 +202,17 @@ def export_hf(
     log.info("exported %s model (vocab %d, %s, %.1f MB) to %s in %.1fs", getattr(cfg, "type", "?"), vocab,
              weights_dtype, nbytes / 1e6, out, time.perf_counter() - t0)
     return out
+
+
+def publish_dir(local_dir: str, url: str) -> None:
+    """Upload the export ``local_dir`` to the object-store directory ``url``, replacing what is
+    there: the previous ``config.json`` is deleted first and the new one uploaded last, so a
+    directory with a ``config.json`` is a complete export (``transformers`` cannot load one
+    without it) and an interrupted upload is never taken for one."""
+    fs.remove(fs.join(url, CONFIG_NAME))
+    fs.rmtree(url)
+    faultpoint("export.before_upload")
+    fs.upload_tree(local_dir, url, last=(CONFIG_NAME,))
 
 
 def _export_source(
@@ -265,7 +288,7 @@ def export_hook(
 
     from lm_pipeline.train.trainer import Hook
 
-    base = export_cfg.hf_save_path or os.path.join(run_dir, "hf")
+    base = export_cfg.hf_save_path or fs.join(run_dir, "hf")
 
     def fn(info: Any) -> dict[str, float] | None:
         model = info.state.model
@@ -275,11 +298,20 @@ def export_hook(
             model = multihost_utils.process_allgather(model, tiled=True)
             if jax.process_index() != 0:
                 return None
-        out = export_hf(model, os.path.join(base, f"step-{info.step}"), tokenizer_dir=tokenizer_dir,
-                        dtype=export_cfg.dtype, max_shard_size=export_cfg.max_shard_size)
-        if export_cfg.hf_upload:
-            upload_hf(out, export_cfg.hf_upload, private=export_cfg.hf_upload_private,
-                      commit_message=f"step {info.step}")
+        target = fs.join(base, f"step-{info.step}")
+        staging = None if fs.is_local(target) else tempfile.mkdtemp(prefix="lm-pipeline-export-")
+        try:
+            out = export_hf(model, target if staging is None else os.path.join(staging, f"step-{info.step}"),
+                            tokenizer_dir=tokenizer_dir, dtype=export_cfg.dtype,
+                            max_shard_size=export_cfg.max_shard_size)
+            if export_cfg.hf_upload:
+                upload_hf(out, export_cfg.hf_upload, private=export_cfg.hf_upload_private,
+                          commit_message=f"step {info.step}")
+            if staging is not None:
+                publish_dir(out, target)
+        finally:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
         return None
 
     return Hook(fn, every=export_cfg.hf_save_steps)

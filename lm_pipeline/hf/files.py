@@ -93,13 +93,19 @@ def write_json(path: str, obj: Any) -> None:
 def copy_tokenizer(tokenizer_dir: str, out_dir: str) -> list[str]:
     """Copy the tokenizer files of ``tokenizer_dir`` into ``out_dir`` (never pickles or model
     configs); the names copied. A directory without ``tokenizer.json`` raises FileNotFoundError."""
+    from lm_pipeline import fs
+
     copied = []
-    for name in sorted(os.listdir(tokenizer_dir)):
-        src = os.path.join(tokenizer_dir, name)
-        if os.path.isfile(src) and not name.startswith("."):
-            if name.endswith(PICKLE_SUFFIXES) or name in (CONFIG_NAME, GENERATION_CONFIG_NAME):
+    for name, is_dir in sorted(fs.listdir(tokenizer_dir)):  # a local dir or a URL
+        if not is_dir and not name.startswith("."):
+            if name.endswith(PICKLE_SUFFIXES) or name in (CONFIG_NAME, GENERATION_CONFIG_NAME, "manifest.json"):
                 continue
-            shutil.copyfile(src, os.path.join(out_dir, name))
+            src = fs.join(tokenizer_dir, name)
+            if fs.is_local(src):
+                shutil.copyfile(src, os.path.join(out_dir, name))
+            else:
+                with open(os.path.join(out_dir, name), "wb") as f:
+                    f.write(fs.read_bytes(src) or b"")
             copied.append(name)
     if "tokenizer.json" not in copied:
         raise FileNotFoundError(f"{tokenizer_dir} holds no tokenizer.json")

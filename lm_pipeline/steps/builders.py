@@ -125,13 +125,18 @@ def token_cache(pipe: Pipeline) -> StageResult:
     return pipe.run("token_cache", write)
 
 
-def _tokenizer_files(tok_dir: str) -> dict[str, Path]:
+def _tokenizer_files(tok_dir: str) -> dict[str, Path | bytes]:
     """The tokenizer's own files, for a checkpoint's ``tokenizer/``: never the store's manifest
-    (a copied manifest.json would make a partial downstream artifact look complete)."""
+    (a copied manifest.json would make a partial downstream artifact look complete). Local files
+    by path; files on an object store by content (a tokenizer is a few small files)."""
+    from lm_pipeline import fs
     from lm_pipeline.store import MANIFEST
 
-    return {f"tokenizer/{p.name}": p for p in sorted(Path(tok_dir).iterdir())
-            if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
+    names = sorted(name for name, is_dir in fs.listdir(tok_dir)
+                   if not is_dir and name != MANIFEST and not name.startswith("."))
+    if fs.is_local(tok_dir):
+        return {f"tokenizer/{name}": Path(fs.join(tok_dir, name)) for name in names}
+    return {f"tokenizer/{name}": fs.read_bytes(fs.join(tok_dir, name)) or b"" for name in names}
 
 
 def continuation_hint(pipe: Pipeline) -> str | None:
@@ -235,7 +240,7 @@ def hf_export(pipe: Pipeline, checkpoint: str | None = None, *, sample_prompt: s
         t0 = time.perf_counter()
         export_hf(ckpt, path, dtype=ex.dtype, max_shard_size=ex.max_shard_size, overwrite=True,
                   progress=None if pipe.progress else False)
-        files = sorted(p.name for p in Path(path).iterdir() if p.is_file())
+        files = sorted(p.name for p in Path(path).iterdir() if p.is_file())  # ``path``: local (staged)
         size = sum((Path(path) / f).stat().st_size for f in files)
         summary: dict[str, Any] = {"step": step, "checkpoint": ckpt, "files": files, "bytes": size,
                                    "export_seconds": round(time.perf_counter() - t0, 3)}
@@ -243,7 +248,9 @@ def hf_export(pipe: Pipeline, checkpoint: str | None = None, *, sample_prompt: s
             summary.update(_sample(ckpt, sample_prompt, sample_tokens, pipe.cfg.model.seq_len))
         return summary, {"checkpoint": ckpt, "step": step}
 
-    return pipe.run("hf_export", write, step=step)
+    # export_hf writes a local directory: on an object store it is written in a local staging
+    # directory and uploaded before the manifest (Pipeline.run's ``staged``).
+    return pipe.run("hf_export", write, step=step, staged=True)
 
 
 def _sample(ckpt: str, prompt: str, tokens: int, seq_len: int) -> dict[str, Any]:

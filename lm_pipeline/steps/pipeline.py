@@ -38,6 +38,28 @@ log = logging.getLogger(__name__)
 Writer = Callable[[str], tuple[dict[str, Any], dict[str, Any]]]
 
 
+def _staged(write: Writer, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``write`` into a local directory that is then uploaded to ``path`` (an object store)."""
+    import json
+    import shutil
+    import tempfile
+
+    from lm_pipeline import fs
+
+    if fs.is_local(path):
+        return write(path)
+    staging = tempfile.mkdtemp(prefix="lm-pipeline-stage-")
+    try:
+        summary, extra = write(staging)
+        fs.rmtree(path)  # what an interrupted attempt uploaded (no manifest: never complete)
+        fs.upload_tree(staging, path)
+        text = json.dumps([summary, extra], default=str).replace(json.dumps(staging)[1:-1], path)
+        summary, extra = json.loads(text)
+        return summary, extra
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 class _Memo:
     """What a pipeline computes once: resolved shards, addresses, config versions."""
 
@@ -91,14 +113,53 @@ class Pipeline:
         fail before any work, naming the config field."""
         import jax
 
-        from lm_pipeline.fs import url_problem
-
         for where, problem in self.cfg.data.url_problems():
             raise ConfigError(f"data.{where}", problem)
-        problem = url_problem(self.store.root)
-        if problem:
-            raise ConfigError("store.root", problem)
+        for where, problem in self.url_access_problems():
+            raise ConfigError(where, problem)
         self.cfg.trainer.check_devices(jax.device_count())
+
+    def url_locations(self) -> list[tuple[str, str]]:
+        """(config field, URL or path) of every location this experiment reads or writes."""
+        cfg = self.cfg
+        data = cfg.data
+        out = [("store.root", self.store.root)]
+        out += [(f"data.{where}", u) for where, urls in (("train_urls", data.train_urls),
+                                                         ("validation_urls", data.validation_urls),
+                                                         *((f"validation.{n}", u) for n, u in data.validation.items()))
+                for u in urls]
+        tc = cfg.trainer
+        for where, value in (("data.tokenizer.name_or_path", data.tokenizer.name_or_path if data.tokenizer.kind == "hf" else None),
+                             ("trainer.checkpointer.base_path", tc.checkpointer.base_path),
+                             ("trainer.load_checkpoint_path", tc.load_checkpoint_path),
+                             ("trainer.initialize_from", getattr(tc, "initialize_from", None)),
+                             ("export.hf_save_path", getattr(self.export_config, "hf_save_path", None)),
+                             ("eval.report_dir", getattr(self.eval_config, "report_dir", None))):
+            if isinstance(value, str) and value:
+                out.append((where, value))
+        return out
+
+    def url_access_problems(self) -> list[tuple[str, str]]:
+        """(config field, one-line problem) for each object-store location that cannot be used
+        from here: unknown scheme, filesystem package missing, bucket missing, credentials
+        missing or refused. One listing per bucket; local paths are not checked here."""
+        from lm_pipeline.fs import access_problem, is_local, url_problem
+
+        seen: dict[str, str | None] = {}
+        out = []
+        for where, url in self.url_locations():
+            if is_local(url) or "://" not in url:
+                continue
+            problem = url_problem(url)
+            if problem is None:
+                scheme, rest = url.split("://", 1)
+                bucket = f"{scheme}://{rest.split('/', 1)[0]}"
+                if bucket not in seen:
+                    seen[bucket] = access_problem(bucket)
+                problem = seen[bucket] and seen[bucket].replace(bucket, url, 1)
+            if problem:
+                out.append((where, problem))
+        return out
 
     @property
     def builtin_root(self) -> str:
@@ -199,10 +260,14 @@ class Pipeline:
         path = self.store.artifact(name, addr.fingerprint).path
         return StageResult(name, addr.fingerprint, path, True, manifest, time.perf_counter() - t0)
 
-    def run(self, name: str, write: Writer, step: int | None = None) -> StageResult:
+    def run(self, name: str, write: Writer, step: int | None = None, *, staged: bool = False) -> StageResult:
         """Build stage ``name`` with ``write`` unless it is complete; commit its manifest last.
 
         Builders of one address take the store's lock; the second finds the manifest and returns.
+        ``staged``: ``write`` writes local files only; on an object-store root it gets a local
+        temporary directory, which is uploaded to the artifact's address (after removing what an
+        interrupted attempt left there) before the manifest is written; the temporary path is
+        replaced by the address in what ``write`` returns.
         """
         addr = self.address(name, step)
         art = self.store.artifact(name, addr.fingerprint)
@@ -217,7 +282,7 @@ class Pipeline:
                 if manifest is not None:
                     return StageResult(name, addr.fingerprint, art.path, True, manifest, time.perf_counter() - t0)
                 log.info("%s %s: building at %s", name, addr.fingerprint, art.path)
-                summary, extra = write(art.path)
+                summary, extra = _staged(write, art.path) if staged else write(art.path)
                 manifest = self.store.commit(art, {"config": addr.config, "inputs": addr.inputs,
                                                    "code_version": addr.code_version, "summary": summary,
                                                    "seconds": round(time.perf_counter() - t0, 3), **extra})

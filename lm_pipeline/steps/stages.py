@@ -70,10 +70,28 @@ def _raw_shards_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
     return {f"{split}/{s.name}": s.fingerprint for split, shards in pipe.shards().items() for s in shards}
 
 
-def _local_tokenizer(pipe: Pipeline) -> Path | None:
+def _local_tokenizer(pipe: Pipeline) -> str | None:
+    """The ``tokenizer.json`` of a tokenizer directory (local or a URL), if the config names one."""
+    from lm_pipeline import fs
+
     tok = pipe.cfg.data.tokenizer
-    local = Path(tok.name_or_path or "") / "tokenizer.json"
-    return local if tok.kind != "bpe" and local.is_file() else None
+    if tok.kind == "bpe" or not tok.name_or_path:
+        return None
+    if fs.is_local(tok.name_or_path):
+        local = Path(tok.name_or_path).expanduser() / "tokenizer.json"
+        return str(local) if local.is_file() else None
+    url = fs.join(tok.name_or_path, "tokenizer.json")
+    return url if fs.exists(url) else None
+
+
+def _sha256_any(path: str) -> str:
+    import hashlib
+
+    from lm_pipeline import fs
+
+    if fs.is_local(path):
+        return sha256_file(path)
+    return hashlib.sha256(fs.read_bytes(path) or b"").hexdigest()
 
 
 def _tokenizer_config(pipe: Pipeline) -> Any:
@@ -93,7 +111,7 @@ def _tokenizer_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
     if tok.kind == "bpe":
         return {}
     local = _local_tokenizer(pipe)
-    return {"tokenizer.json": sha256_file(local)} if local else {"hub": f"{tok.name_or_path}@{tok.revision}"}
+    return {"tokenizer.json": _sha256_any(local)} if local else {"hub": f"{tok.name_or_path}@{tok.revision}"}
 
 
 def _train_config(pipe: Pipeline) -> Any:

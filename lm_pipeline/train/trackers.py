@@ -50,6 +50,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -153,7 +154,11 @@ def setup_logging(log_dir: str, run_id: str, level: int = logging.INFO) -> str:
     file handler there. A stderr handler is added only if the root logger has none already.
     Handlers installed here mask secret environment values.
     """
-    path = os.path.abspath(os.path.join(log_dir, f"{run_id}.log"))
+    remote = None if fs.is_local(log_dir) else fs.join(log_dir, f"{run_id}.log")
+    if remote is None:
+        path = os.path.abspath(os.path.join(fs.local_path(log_dir), f"{run_id}.log"))
+    else:  # an object store cannot append: a local file, uploaded whole now and then and at exit
+        path = os.path.join(tempfile.gettempdir(), "lm-pipeline-logs", f"{run_id}.log")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     root = logging.getLogger()
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -166,7 +171,7 @@ def setup_logging(log_dir: str, run_id: str, level: int = logging.INFO) -> str:
                 root.removeHandler(h)
                 h.close()
     if not have_file:
-        fh = logging.FileHandler(path, encoding="utf-8")
+        fh = logging.FileHandler(path, encoding="utf-8") if remote is None else _PublishingFileHandler(path, remote)
         fh.setFormatter(fmt)
         fh.addFilter(_RedactingFilter())
         setattr(fh, _HANDLER_TAG, "file")
@@ -185,6 +190,40 @@ def setup_logging(log_dir: str, run_id: str, level: int = logging.INFO) -> str:
     if root.level > level:
         root.setLevel(level)
     return path
+
+
+class _PublishingFileHandler(logging.FileHandler):
+    """A log file kept locally and uploaded whole to ``url`` at most every ``every`` seconds and
+    when the handler is closed (``logging.shutdown`` at exit)."""
+
+    def __init__(self, path: str, url: str, every: float = 30.0):
+        super().__init__(path, encoding="utf-8")
+        self.url, self.every = url, every
+        self._last = time.monotonic()
+        self._publishing = False
+
+    def _publish(self) -> None:
+        if self._publishing:  # the upload's own log records
+            return
+        self._publishing = True
+        try:
+            fs.put(self.baseFilename, self.url)
+            self._last = time.monotonic()
+        except Exception:  # noqa: BLE001 - a log upload must never fail the run; the local file stays
+            pass
+        finally:
+            self._publishing = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        super().emit(record)
+        if time.monotonic() - self._last >= self.every:
+            self.flush()
+            self._publish()
+
+    def close(self) -> None:
+        super().close()
+        if os.path.isfile(self.baseFilename):
+            self._publish()
 
 
 # --- trackers ---------------------------------------------------------------------------------
