@@ -31,7 +31,7 @@ from lm_pipeline.train.optim_config import OptimizerConfig
 class StoreConfig:
     """Where content-addressed artifacts live."""
 
-    root: str = field("artifacts", help="Root of the artifact store: a local folder or any fsspec URL.", semantic=False)
+    root: str = field("artifacts", help="Root of the artifact store: a local folder or any fsspec URL (s3://, gs://, ...; credentials from the standard AWS/Google environment and chains, an S3-compatible endpoint from AWS_ENDPOINT_URL_S3). See own-data.md#object-stores.", semantic=False)
 
 
 @dataclass(frozen=True)

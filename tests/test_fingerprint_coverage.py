@@ -118,6 +118,9 @@ STAGE_OF: dict[str, str | None] = {
     "store.root": None,
 }
 
+#: Fields kept in the schema only to refuse any value but the default with a message saying why.
+REFUSED = {"data.cache_dir"}
+
 # --------------------------------------------------------------------------------------------
 # A tiny experiment over a fixed corpus (relative paths: the tests run inside its directory)
 # --------------------------------------------------------------------------------------------
@@ -403,6 +406,12 @@ def test_every_config_field_is_classified():
 def test_field_changes_its_stage_and_everything_downstream_only(leaf, workdir):
     if leaf.name not in STAGE_OF:
         pytest.fail(f"{leaf.name} is not classified: see test_every_config_field_is_classified")
+    if leaf.name in REFUSED:  # any value but the default fails validation: nothing to fingerprint
+        raw = copy.deepcopy(base_config(leaf))
+        _set(raw, leaf.keys, "somewhere")
+        with pytest.raises(ConfigError, match=leaf.name.rsplit(".", 1)[-1]):
+            _resolved(raw)
+        return
     first = STAGE_OF[leaf.name]
     expected = downstream(first)
     base = base_config(leaf)

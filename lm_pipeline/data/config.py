@@ -83,7 +83,7 @@ class DataConfig:
     # --- downstream ------------------------------------------------------------------------
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig, help="The tokenizer to train or load.")
     packing: Literal["concat", "greedy", "first_fit"] = field("concat", help="How documents become seq_len rows: concatenate-and-chunk, or whole documents packed greedily / first-fit with segment ids.")
-    cache_dir: str | None = field(None, help="Where the token cache lives; default: under the store root.", semantic=False)
+    cache_dir: str | None = field(None, help="Not supported (must stay null): the token cache lives in the store, at <store.root>/token_cache/<fingerprint>/; to put it elsewhere, point store.root there.", semantic=False)
     num_workers: int = field(0, help="Tokenizer worker processes; 0 means all cores.", semantic=False)
     shard_group_size: int = field(8, help="Shards per cache-building group (the unit of resumption and fan-out).", semantic=False)
 
@@ -113,6 +113,10 @@ class DataConfig:
         return [n for n, on in (("train_urls", bool(self.train_urls)), ("hf_id", self.hf_id is not None), ("builtin", self.builtin is not None)) if on]
 
     def validate(self) -> None:
+        if self.cache_dir is not None:
+            raise ConfigError("cache_dir", "is not supported: the token cache lives in the store at "
+                              "<store.root>/token_cache/<fingerprint>/ (local or s3://, gs://, ...); remove "
+                              "data.cache_dir and point store.root where the cache should be")
         if self.min_length < 0:
             raise ConfigError("min_length", "must be >= 0")
         if self.num_workers < 0:
