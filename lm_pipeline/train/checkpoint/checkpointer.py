@@ -127,9 +127,6 @@ class Checkpointer:
         if base is None:
             raise ValueError("Checkpointer needs a directory: set checkpointer.base_path or pass base_path_override")
         self.base_path = fs.norm(base)
-        if not fs.is_local(self.base_path) and jax.process_count() > 1:
-            raise ValueError(f"checkpoints on an object store ({self.base_path}) are written by one process; "
-                             "a multi-process run needs a shared filesystem path for its checkpoints")
         self._clock = clock
         self._interval = config.save_interval_seconds
         self._async = async_save
@@ -261,12 +258,16 @@ class Checkpointer:
     def _start_array_write(self, path: str, flat: dict[str, Any]) -> str | None:
         """Copy this process's shards to host memory and start writing them (Orbax, async).
 
-        On an object store Orbax writes into a local staging dir (returned), uploaded when complete."""
+        On an object store a single process has Orbax write into a local staging dir (returned),
+        uploaded when complete; the processes of a multi-process run share no local directory, so
+        Orbax writes their shards to the store itself (TensorStore's drivers). Either way the
+        marker is written after every part."""
         import orbax.checkpoint as ocp
 
         if self._orbax is None:
             self._orbax = ocp.AsyncCheckpointer(new_pytree_handler(), timeout_secs=TIMEOUT_S)
-        staging = None if fs.is_local(path) else tempfile.mkdtemp(prefix="lm-pipeline-ckpt-")
+        staged = not fs.is_local(path) and jax.process_count() == 1
+        staging = tempfile.mkdtemp(prefix="lm-pipeline-ckpt-") if staged else None
         target = fs.join(path, STATE_DIR) if staging is None else os.path.join(staging, STATE_DIR)
         self._orbax.save(target, args=ocp.args.PyTreeSave(flat))
         return staging
