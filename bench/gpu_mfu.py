@@ -124,9 +124,12 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
 
 
 def bench_shape(name: str, overrides: dict, steps: int, warmup: int, profile_dir: str | None = None,
-                per_device: str = "auto", variant: dict | None = None) -> dict:
+                per_device: str = "auto", variant: dict | None = None, mp: str = "p=f32,c=bfloat16") -> dict:
+    """One shape's timed steps (see the module's docstring); ``mp`` is the trainer's precision
+    policy (``bench/gpu_peers.py`` passes f32 for its CPU smoke run)."""
     import dataclasses
 
+    import equinox as eqx
     import jax
     import numpy as np
 
@@ -139,7 +142,7 @@ def bench_shape(name: str, overrides: dict, steps: int, warmup: int, profile_dir
 
     vocab = overrides.pop("vocab")
     cfg = load_config(None, {
-        **overrides, "trainer.mp": "p=f32,c=bfloat16", "trainer.per_device_parallelism": per_device if per_device == "auto" else int(per_device),
+        **overrides, "trainer.mp": mp, "trainer.per_device_parallelism": per_device if per_device == "auto" else int(per_device),
         "optimizer.lr_schedule": "constant", "optimizer.warmup": 0,
         "optimizer.weight_decay": 0.1,
     })
@@ -155,6 +158,7 @@ def bench_shape(name: str, overrides: dict, steps: int, warmup: int, profile_dir
     fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=vocab, num_train_steps=10**6,
                                plan=plan, has_segments=False, compute=compute)
     state = fns.init(jax.random.key_data(jax.random.key(0)))
+    num_params = sum(x.size for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array)))
     rng = np.random.default_rng(0)
     b, t = cfg.trainer.train_batch_size, cfg.model.seq_len
     batches = [put_batch(LmBatch(rng.integers(0, vocab, (b, t), dtype=np.int32)), plan) for _ in range(2)]
@@ -186,6 +190,7 @@ def bench_shape(name: str, overrides: dict, steps: int, warmup: int, profile_dir
     est = estimate(cfg, num_devices=1, vocab_size=vocab, segments=False)
     return {
         "shape": name, "batch": b, "seq_len": t, "micro_batch": cfg.trainer.per_device_parallelism,
+        "num_params": int(num_params), "config_params": int(cfg.model.num_params(vocab)),
         "step_s": step_s, "step_s_min": min(times), "tokens_per_s": tokens / step_s,
         "flops_per_token": fpt, "achieved_flops": fpt * tokens / step_s, "compile_s": compile_s,
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "bytes_limit": stats.get("bytes_limit"),
