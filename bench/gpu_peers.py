@@ -187,6 +187,9 @@ def _torch_setup(spec: dict):
     import torch
 
     cuda = torch.cuda.is_available() and not spec["smoke"]
+    if not cuda and not spec["smoke"]:
+        raise SystemExit(f"PyTorch {torch.__version__} here sees no CUDA device: install its CUDA build "
+                         "(or run --smoke for the CPU check)")
     device = torch.device("cuda" if cuda else "cpu")
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
