@@ -24,7 +24,8 @@ the experiment, the semantic config and the input fingerprints of *that* artifac
 ``token_cache`` is a graph: a plan op fans out one op per shard group (dynamic outputs; run in
 parallel by the multiprocess executor), a commit op assembles and commits the cache.
 ``train_ckpt`` runs through the ``training`` resource -- by default its own process through
-Dagster Pipes -- reports each checkpoint as an observation as it lands, is retried by a
+Dagster Pipes; in ``ray`` mode one Ray job on a cluster, N processes of one ``jax.distributed``
+run (docs/cluster.md) -- reports each checkpoint as an observation as it lands, is retried by a
 ``RetryPolicy`` (a retry resumes from the run's latest checkpoint) and runs in the
 ``lm_pipeline_training`` pool; evaluations run in the ``lm_pipeline_evaluation`` pool.
 """
