@@ -65,7 +65,8 @@ def _has_module(name: str) -> bool:
         return False
 
 
-def _plugins() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def _plugins() -> frozenset[str]:
     """Names of the installed JAX accelerator plugins (``jax_plugins.*`` and the top-level ones)."""
     names = {n for n in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin",
                          "libtpu") if _has_module(n)}
@@ -75,10 +76,10 @@ def _plugins() -> set[str]:
             names |= {m.name for m in pkgutil.iter_modules(list(spec.submodule_search_locations))}
     except (ImportError, ValueError):
         pass
-    return names
+    return frozenset(names)
 
 
-def _installed_accelerator(plugins: set[str], exists=os.path.exists, globber=glob.glob) -> str | None:
+def _installed_accelerator(plugins: set[str] | frozenset[str], exists=os.path.exists, globber=glob.glob) -> str | None:
     if any("cuda" in p for p in plugins) and exists("/dev/nvidiactl"):
         return "gpu"
     if any("rocm" in p for p in plugins) and exists("/dev/kfd"):

@@ -53,9 +53,10 @@ JAX_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"
 STORE_SUBDIR = "_xla_cache"
 _OFF = ("0", "off", "false", "no", "none", "disabled")
 
-#: Programs that compile faster than this are not written (JAX's default is 1 s, which leaves out
-#: the evaluation step and the many small programs of start-up: together seconds on a CPU).
-MIN_COMPILE_SECS = 0.2
+#: Programs that compile faster than this are not written. JAX's default (1 s) leaves out the
+#: evaluation step and the few dozen small programs of start-up and of the first step's logging
+#: (0.01-0.2 s each to compile, a few ms to load: together seconds on a loaded CPU).
+MIN_COMPILE_SECS = 0.0
 
 _lock = threading.Lock()
 _ours: set[str] = set()  # directories this module configured (not the user's)
