@@ -36,8 +36,10 @@ Shapes (vocab 32000 for both models, untied embeddings, no biases, RMSNorm, SwiG
     llama_1b:   16 layers, 32 heads (8 kv),  width 2048, MLP 8192   (1,104,218,112 parameters)
 
 each at seq 2048 and 4096, ``--tokens-per-step`` (65,536 by default: 32 x 2048 or 16 x 4096)
-for every trainer. A peer that runs out of memory is retried with half the micro-batch and
-gradient accumulation, so every trainer does the same tokens per optimizer step.
+for every trainer. Ours picks its micro-batch with its estimator; the peers start at the same
+micro-batch (the whole batch when ours is not run) and a run that runs out of memory is retried
+with half the micro-batch and twice the gradient accumulation, so every trainer does the same
+tokens per optimizer step (``--micro-batch N`` sets it for all).
 
 Reported per shape and trainer: tokens/s, median step time, peak device memory
 (``torch.cuda.max_memory_allocated`` / JAX ``peak_bytes_in_use``, each process's own), MFU with
@@ -398,7 +400,7 @@ def child_torchtitan(spec: dict) -> dict:
         total = None
         for i in range(accum):
             rows = batch[i * mb:(i + 1) * mb].to(device)
-            inputs, labels = rows[:, :-1], rows[:, 1:]
+            inputs, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
             extra = {"positions": torch.arange(t, device=device).repeat(mb, 1)}
             if attention != "sdpa":
                 extra["attention_masks"] = model.get_attention_masks(positions=extra["positions"])
@@ -508,7 +510,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="tokens per optimizer step, the same for every trainer (batch = this / seq)")
     p.add_argument("--micro-batch", type=int, default=0,
                    help="sequences per micro-batch for every trainer (0: ours picks with its estimator, "
-                        "peers start at the whole batch and halve on out-of-memory)")
+                        "the peers start at ours' choice, or the whole batch when ours is not run; "
+                        "every trainer halves it on out-of-memory)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (compiling) one")
     p.add_argument("--matmul", type=int, default=8192, help="side of the square bf16 matmul that measures the peak")
@@ -536,10 +539,11 @@ def main(argv: list[str] | None = None) -> None:
         if not sep or name not in TRAINERS:
             p.error(f"--python {item!r}: expected NAME=PATH with NAME in {', '.join(TRAINERS)}")
         pythons[name] = path
-    trainers = [x.strip() for x in args.trainers.split(",") if x.strip()]
-    for x in trainers:
+    asked = [x.strip() for x in args.trainers.split(",") if x.strip()]
+    for x in asked:
         if x not in TRAINERS:
             p.error(f"unknown trainer {x!r}; choose from {', '.join(TRAINERS)}")
+    trainers = [x for x in TRAINERS if x in asked]  # ours first: the peers start at its micro-batch
     if args.smoke:
         shapes = {"smoke": dict(SMOKE_MODEL)}
         args.tokens_per_step = SMOKE_TOKENS_PER_STEP
@@ -578,15 +582,17 @@ def main(argv: list[str] | None = None) -> None:
         log(f"\n{shape}: {model['num_layers']} x {model['hidden_dim']}, {model['num_heads']}/{model['num_kv_heads']} "
             f"heads, MLP {model['intermediate_dim']}, vocab {model['vocab']}, seq {seq}, batch {batch}; "
             f"{params:,} parameters, {fpt / 1e9:.3f} GFLOP/token")
-        shape_rows = []
+        shape_rows, start_mb = [], args.micro_batch or None
         for kind in trainers:
             port += 1
-            spec = {"shape": shape, "model": model, "batch": batch, "micro_batch": args.micro_batch or None,
+            spec = {"shape": shape, "model": model, "batch": batch, "micro_batch": start_mb,
                     "steps": args.steps, "warmup": args.warmup, "smoke": args.smoke, "bf16": bf16,
                     "compile": compile_, "mp": "p=f32,c=bfloat16" if bf16 else "p=f32,c=f32",
                     "tt_attention": args.tt_attention, "tt_cuda_graphs": bool(args.tt_cuda_graphs), "port": port}
             r = run_trainer(kind, spec, pythons[kind], args.timeout, args.install_peers and kind != "ours", log)
             row = {"shape": shape, "trainer": kind, "seq_len": seq, "batch": batch, **r}
+            if kind == "ours" and r["status"] == "ok" and not args.micro_batch:
+                start_mb = r["micro_batch"]  # the peers start where our estimator landed
             if kind != "ours" and peer_status.get(kind, "ok") == "ok":
                 peer_status[kind] = r["status"]  # "ok" only when it ran on every shape
             if r["status"] == "ok":
