@@ -280,3 +280,8 @@ def test_ray_mode_settings_fail_in_one_line_before_compute(tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "ray", None)
     msg = _one_line_failure(TrainingLauncherResource(mode="ray", ray_address="http://head:8265").validate_mode)
     assert "pip install 'lm-pipeline[cluster]'" in msg
+    # the core side alone (no Dagster): importable without Ray, one line when used
+    from lm_pipeline.cluster import ClusterError, ray_train
+
+    with pytest.raises(ClusterError, match=r"^training on Ray needs the 'ray' package .*pip install 'lm-pipeline\[cluster\]'$"):
+        ray_train.run_on_ray("{}", str(tmp_path / "store"), ray_train.RayTrainSpec())
