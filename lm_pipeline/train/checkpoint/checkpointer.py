@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -40,7 +39,7 @@ from lm_pipeline.train.checkpoint.marker import (
     write_marker,
 )
 from lm_pipeline.train.checkpoint.policy import CheckpointerConfig
-from lm_pipeline.train.checkpoint.remote import upload_state
+from lm_pipeline.train.checkpoint.remote import staging_dir, upload_state
 from lm_pipeline.train.checkpoint.restore import load
 from lm_pipeline.train.checkpoint.retention import materialize_best, prune
 
@@ -78,6 +77,19 @@ def _write_extra_files(path: str, extras: Mapping[str, ExtraFile]) -> None:
             fs.put(value, target)
         else:
             atomic.atomic_write_bytes(target, value.encode() if isinstance(value, str) else value)
+
+
+def _host_count() -> int:
+    """How many distinct hosts the processes of this run are on (a collective: every process)."""
+    import hashlib
+    import socket
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    mine = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:4], "little")
+    every = multihost_utils.process_allgather(np.array([mine], dtype=np.uint32))
+    return len(set(np.asarray(every).reshape(-1).tolist()))
 
 
 @dataclasses.dataclass
@@ -127,6 +139,14 @@ class Checkpointer:
         if base is None:
             raise ValueError("Checkpointer needs a directory: set checkpointer.base_path or pass base_path_override")
         self.base_path = fs.norm(base)
+        if not fs.is_local(self.base_path) and jax.process_count() > 1:
+            hosts = _host_count()
+            if hosts > 1:
+                raise ValueError(
+                    f"checkpoints on an object store ({self.base_path}) are staged in a local directory that every "
+                    f"process of the run must see, and this run spans {hosts} hosts: set "
+                    "trainer.checkpointer.base_path to a filesystem every host mounts (NFS, a mounted bucket), or "
+                    "run the processes on one host")
         self._clock = clock
         self._interval = config.save_interval_seconds
         self._async = async_save
@@ -247,6 +267,8 @@ class Checkpointer:
         """Every process: process 0 makes a fresh step dir holding the extra files; all then sync."""
         import orbax.checkpoint as ocp
 
+        if not fs.is_local(path):  # every process, before the barrier: no array is written yet
+            shutil.rmtree(staging_dir(path, self._counter), ignore_errors=True)
         if jax.process_index() == 0:
             if fs.exists(path):
                 logger.warning("checkpoint: removing incomplete %s before saving step %d", path, step)
@@ -258,16 +280,14 @@ class Checkpointer:
     def _start_array_write(self, path: str, flat: dict[str, Any]) -> str | None:
         """Copy this process's shards to host memory and start writing them (Orbax, async).
 
-        On an object store a single process has Orbax write into a local staging dir (returned),
-        uploaded when complete; the processes of a multi-process run share no local directory, so
-        Orbax writes their shards to the store itself (TensorStore's drivers). Either way the
-        marker is written after every part."""
+        On an object store Orbax writes into a local staging dir (returned; the same path on
+        every process), which each process uploads its part of when complete (:mod:`.remote`);
+        the marker is written after every part."""
         import orbax.checkpoint as ocp
 
         if self._orbax is None:
             self._orbax = ocp.AsyncCheckpointer(new_pytree_handler(), timeout_secs=TIMEOUT_S)
-        staged = not fs.is_local(path) and jax.process_count() == 1
-        staging = tempfile.mkdtemp(prefix="lm-pipeline-ckpt-") if staged else None
+        staging = None if fs.is_local(path) else staging_dir(path, self._counter)  # emptied in _prepare_dir
         target = fs.join(path, STATE_DIR) if staging is None else os.path.join(staging, STATE_DIR)
         self._orbax.save(target, args=ocp.args.PyTreeSave(flat))
         return staging
@@ -291,7 +311,8 @@ class Checkpointer:
             if job.has_arrays:
                 self._orbax.wait_until_finished()
                 if job.staging is not None:  # object store: the arrays are complete locally; upload them
-                    upload_state(os.path.join(job.staging, STATE_DIR), fs.join(job.path, STATE_DIR))
+                    upload_state(job.staging, STATE_DIR, fs.join(job.path, STATE_DIR),
+                                 jax.process_index(), jax.process_count())
         except BaseException as e:
             local_error = e
         removed: list[str] = []

@@ -1,7 +1,8 @@
 """Checkpoints on object stores (``s3://``, ``gs://``, ...): staged writes, local read copies.
 
-Orbax writes a checkpoint's arrays into a local staging directory; once they are complete they
-are uploaded under ``<run>/step-<N>/``, the per-file sizes and sha256 are recorded in the marker,
+Orbax writes a checkpoint's arrays into a local staging directory (the same path on every
+process; each process of a multi-process run uploads the parts it wrote); once they are complete
+they are uploaded under ``<run>/step-<N>/``, the per-file sizes and sha256 are recorded in the marker,
 and the marker (``checkpoint.json``, one PUT) is uploaded last. A process killed at any moment of
 the upload leaves a ``step-<N>/`` without a marker, which discovery ignores and the next save of
 that step replaces: a partial upload is never read as a checkpoint.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -25,7 +27,7 @@ from lm_pipeline import fs
 from lm_pipeline.faultpoints import faultpoint
 from lm_pipeline.train.checkpoint.marker import MARKER, require_marker
 
-__all__ = ["CACHE_ENV", "cache_root", "local_copy", "upload_state"]
+__all__ = ["CACHE_ENV", "cache_root", "forget_copy", "local_copy", "staging_dir", "upload_state"]
 
 CACHE_ENV = "LM_PIPELINE_CHECKPOINT_CACHE"
 
@@ -71,15 +73,44 @@ def forget_copy(path: str, marker: dict) -> None:
         shutil.rmtree(os.path.join(cache_root(), _key(fs.norm(path), marker)), ignore_errors=True)
 
 
-def upload_state(local_dir: str, url: str) -> None:
-    """Upload the staged arrays ``local_dir`` to ``url`` file by file. A fault point between the
-    files (``checkpoint.upload_partial``) lets tests kill the upload half-way."""
+def staging_dir(url: str, counter: int) -> str:
+    """The local directory Orbax writes a checkpoint of ``url`` into before it is uploaded: the
+    same path on every process of a run (Orbax's processes agree on one directory), under
+    :func:`cache_root`."""
+    key = hashlib.sha256(f"{fs.norm(url)}#{counter}".encode()).hexdigest()[:16]
+    return os.path.join(cache_root(), "staging", key)
+
+
+_OWNER = re.compile(r"(?:^|/)(?:ocdbt\.)?process_(\d+)(?:/|$)")
+
+
+def _written_dir(staging: str, name: str) -> str:
+    """Orbax's output under ``staging``: ``<name>`` once finalized (the primary's host), else the
+    newest ``<name>.orbax-checkpoint-tmp-*`` (another host: the primary renamed only its own)."""
+    final = os.path.join(staging, name)
+    if os.path.isdir(final):
+        return final
+    tmps = [os.path.join(staging, d) for d in os.listdir(staging) if d.startswith(f"{name}.orbax-checkpoint-tmp")]
+    if not tmps:
+        raise FileNotFoundError(f"no {name}/ written under {staging}")
+    return max(tmps, key=os.path.getmtime)
+
+
+def upload_state(staging: str, name: str, url: str, process_index: int = 0, process_count: int = 1) -> None:
+    """Upload what Orbax wrote under ``staging/<name>`` to ``url`` file by file. With several
+    processes each uploads the files it wrote (``process_<i>`` parts); process 0 the rest. A
+    fault point between the files (``checkpoint.upload_partial``) lets tests kill the upload."""
+    local_dir = _written_dir(staging, name)
     files = []
     for parent, dirs, names in os.walk(local_dir):
         dirs.sort()
-        files.extend(os.path.join(parent, n) for n in sorted(names))
-    for i, src in enumerate(files):
-        rel = os.path.relpath(src, local_dir).replace(os.sep, "/")
-        fs.put(src, fs.join(url, *rel.split("/")))
+        for n in sorted(names):
+            rel = os.path.relpath(os.path.join(parent, n), local_dir).replace(os.sep, "/")
+            owner = _OWNER.search(rel)
+            mine = (int(owner.group(1)) if owner else 0) == process_index
+            if process_count == 1 or mine:
+                files.append(rel)
+    for i, rel in enumerate(files):
+        fs.put(os.path.join(local_dir, *rel.split("/")), fs.join(url, *rel.split("/")))
         if i == len(files) // 2:
             faultpoint("checkpoint.upload_partial")  # some array files uploaded, not all
