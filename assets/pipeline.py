@@ -250,6 +250,7 @@ def _train_on_ray(context, asset: dg.AssetKey, pipe, fp: str, cfg, store: Artifa
 
     spec = training.ray_spec()
     client = training.ray_job_client()  # unreachable: one line, before anything runs
+    _stop_earlier_jobs(context, client, fp)
     extras = {"config": dump_config(cfg), "store_root": store.root, "expected_fingerprint": fp,
               "asset_key": asset.to_user_string(), "poll_seconds": training.poll_seconds,
               "attempt": context.retry_number, "ray": spec.to_dict()}
@@ -290,6 +291,27 @@ def _train_on_ray(context, asset: dg.AssetKey, pipe, fp: str, cfg, store: Artifa
     res, child = _reported_result(session, pipe, fp, t0)
     child["ray_job_id"] = dg.MetadataValue.text(job_id)
     return res, child
+
+
+def _stop_earlier_jobs(context, client, fp: str, timeout: float = 120.0) -> None:
+    """Stop any job of this run still on the cluster (an attempt whose Dagster process died
+    without stopping it): two jobs must never write one run's checkpoints."""
+    try:
+        stale = [j for j in client.list_jobs()
+                 if (j.metadata or {}).get("train_ckpt") == fp and not j.status.is_terminal()]
+    except Exception as e:  # listing is a precaution; the submission below reports real trouble
+        context.log.warning(f"could not list the cluster's jobs: {e}")
+        return
+    for job in stale:
+        context.log.warning(f"stopping Ray job {job.submission_id}: an earlier attempt at train_ckpt {fp}, still running")
+        client.stop_job(job.submission_id)
+    deadline = time.monotonic() + timeout
+    for job in stale:
+        while not client.get_job_status(job.submission_id).is_terminal():
+            if time.monotonic() > deadline:
+                raise dg.Failure(f"Ray job {job.submission_id} (an earlier attempt at train_ckpt {fp}) did not stop "
+                                 f"within {timeout:.0f} s", allow_retries=True)
+            time.sleep(1.0)
 
 
 def _ray_job_reason(client, job_id: str) -> str:

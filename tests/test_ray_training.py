@@ -151,6 +151,8 @@ class Runs:
             killer = Killer(instance, self.tmp / "paused")
             if name == "killed":
                 killer.start()
+            if name == "ray":  # an earlier attempt's job still running this run: the step must stop it first
+                self.stale_job = self._submit_stale_job(self.tmp / name)
             t0 = time.perf_counter()
             try:
                 exp, result = _materialize(self.tmp / name, self.launchers[name], instance)
@@ -161,6 +163,13 @@ class Runs:
             if name == "killed":
                 self.killed_pid = killer.killed
         return self.done[name]
+
+    def _submit_stale_job(self, tmp: Path) -> str:
+        from ray.job_submission import JobSubmissionClient
+
+        fp = load_experiment(pt.write_config(tmp), overrides=OVERRIDES).pipeline().address("train_ckpt").fingerprint
+        self.client = JobSubmissionClient(self.launchers["ray"].ray_address)
+        return self.client.submit_job(entrypoint="sleep 600", metadata={"train_ckpt": fp})
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +209,8 @@ def test_two_ray_processes_train_like_one(runs):
     texts = [r.user_message for r in instance.all_logs(result.run_id)]
     assert any(t.startswith("step 6: train/loss=") for t in texts), texts[-20:]
     assert any("2 processes: process 0: pid" in t for t in texts)
+    assert runs.client.get_job_status(runs.stale_job).value == "STOPPED"
+    assert any(t.startswith(f"stopping Ray job {runs.stale_job}: an earlier attempt") for t in texts)
     # The final parameters agree with the one-process run's too, more loosely: Adam divides each
     # update by the root of its squared-gradient average, so for a parameter whose gradient is
     # near zero the f32 reduction-order difference between the runs moves the update by up to ~lr.
