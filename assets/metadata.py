@@ -25,8 +25,14 @@ def _num(v: Any) -> Any:
 
 
 def _dir_bytes(path: str) -> int | None:
-    if "://" in path and not path.startswith("file://"):
-        return None
+    from lm_pipeline import fs
+
+    if not fs.is_local(path):  # an object store: the listing's sizes
+        try:
+            store, inner = fs.get_fs(path)
+            return int(store.du(inner, total=True))
+        except Exception:  # noqa: BLE001 -- a size is informative; never fail a materialization for it
+            return None
     total = 0
     for dirpath, _, files in os.walk(path):
         for f in files:
@@ -106,9 +112,8 @@ def token_cache(res) -> dict[str, Any]:
     return md
 
 
-def _png_md(title: str, path: str) -> dg.MetadataValue:
-    with open(path, "rb") as f:
-        b64 = base64.b64encode(f.read()).decode("ascii")
+def _png_md(title: str, data: bytes) -> dg.MetadataValue:
+    b64 = base64.b64encode(data).decode("ascii")
     return dg.MetadataValue.md(f"![{title}](data:image/png;base64,{b64})")
 
 
@@ -122,18 +127,18 @@ TRAINING_PLOTS = {"loss_curve": ("loss.png", "loss curve"),
 def training_plots(run_dir: str) -> dict[str, Any]:
     """The run's plots (written by :func:`lm_pipeline.plots.write_training_plots` when missing) as
     markdown images, each with the path of its PNG beside the run."""
+    from lm_pipeline import fs
     from lm_pipeline.plots import PLOTS_DIR, write_training_plots
 
     md: dict[str, Any] = {}
-    if "://" in run_dir:
-        return md
-    plots = os.path.join(run_dir, PLOTS_DIR)
-    if not os.path.exists(os.path.join(plots, "loss.png")):
+    plots = fs.join(run_dir, PLOTS_DIR)
+    if not fs.exists(fs.join(plots, "loss.png")):
         write_training_plots(run_dir)
     for key, (name, title) in TRAINING_PLOTS.items():
-        png = os.path.join(plots, name)
-        if os.path.exists(png):
-            md[key] = _png_md(title, png)
+        png = fs.join(plots, name)
+        data = fs.read_bytes(png)
+        if data is not None:
+            md[key] = _png_md(title, data)
             md[f"{key}_path"] = dg.MetadataValue.path(png)
     return md
 
