@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 sys.path.insert(0, str(Path(__file__).parent))
 import pipeline_testing as pt  # noqa: E402
 from helpers.ray_cluster import ray_cluster  # noqa: E402, F401  (fixture)
+from helpers.s3 import REGION, clear_fsspec_cache, s3_server  # noqa: E402, F401  (fixture)
 
 from assets.deployment import Deployment  # noqa: E402
 from assets.experiment import load_experiment  # noqa: E402
@@ -60,8 +61,9 @@ def K(stage: str) -> dg.AssetKey:
     return dg.AssetKey([NAME, stage])
 
 
-def _materialize(tmp: Path, training: TrainingLauncherResource, instance: dg.DagsterInstance):
-    exp = load_experiment(pt.write_config(tmp), overrides=OVERRIDES)
+def _materialize(tmp: Path, training: TrainingLauncherResource, instance: dg.DagsterInstance, store_root: str | None = None):
+    sections = {"store": {"root": store_root}} if store_root else {}
+    exp = load_experiment(pt.write_config(tmp, **sections), overrides=OVERRIDES)
     resources = {**default_resources(exp), "training": training, "jax_runtime": JaxRuntimeResource(platforms="cpu")}
     result = dg.materialize(build_assets(Deployment([exp])), selection=[K(s) for s in STAGES], resources=resources,
                             instance=instance, raise_on_error=False)
@@ -75,7 +77,9 @@ def _ray_launcher(cluster, env: dict[str, str]) -> TrainingLauncherResource:
 
 
 def _losses(run_dir: str) -> dict[int, float]:
-    rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from lm_pipeline import fs
+
+    rows = [json.loads(line) for line in fs.read_text(f"{run_dir}/metrics.jsonl").splitlines() if line.strip()]
     return {int(r["step"]): float(r["train/loss"]) for r in rows if "train/loss" in r}
 
 
@@ -135,12 +139,19 @@ class Runs:
     """The three materializations, each made when a test first asks for it (so ``-k killed``
     does not run the reference): ``runs[name]`` = (experiment, result, instance, seconds)."""
 
-    def __init__(self, cluster, tmp: Path):
+    def __init__(self, cluster, tmp: Path, s3):
+        import boto3
+
         self.tmp, self.done, self.killed_pid = tmp, {}, None
+        bucket = f"lm-ray-{os.urandom(4).hex()}"
+        boto3.client("s3", endpoint_url=s3.endpoint, region_name=REGION).create_bucket(Bucket=bucket)
+        clear_fsspec_cache()
+        # The Ray runs keep their store on the loopback S3 server; the reference stays local.
+        self.roots = {"one": None, "ray": f"s3://{bucket}/ray/store", "killed": f"s3://{bucket}/killed/store"}
         self.launchers = {
             "one": TrainingLauncherResource(mode="pipes", poll_seconds=0.2, extra_env=CHILD_ENV),
-            "ray": _ray_launcher(cluster, {}),
-            "killed": _ray_launcher(cluster, {"LM_PIPELINE_FAULTPOINT": FAULT,
+            "ray": _ray_launcher(cluster, dict(s3.env)),
+            "killed": _ray_launcher(cluster, {**s3.env, "LM_PIPELINE_FAULTPOINT": FAULT,
                                               "LM_PIPELINE_FAULTPOINT_ONCE": str(tmp / "killed-marker"),
                                               "LM_PIPELINE_FAULTPOINT_FILE": str(tmp / "paused")}),
         }
@@ -155,7 +166,7 @@ class Runs:
                 self.stale_job = self._submit_stale_job(self.tmp / name)
             t0 = time.perf_counter()
             try:
-                exp, result = _materialize(self.tmp / name, self.launchers[name], instance)
+                exp, result = _materialize(self.tmp / name, self.launchers[name], instance, self.roots[name])
             finally:
                 killer.stop.set()
             self.done[name] = (exp, result, instance, time.perf_counter() - t0)
@@ -173,8 +184,8 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, tmp_path_factory):  # noqa: F811
-    return Runs(ray_cluster, tmp_path_factory.mktemp("ray_training"))
+def runs(ray_cluster, s3_server, tmp_path_factory):  # noqa: F811
+    return Runs(ray_cluster, tmp_path_factory.mktemp("ray_training"), s3_server)
 
 
 def _run_dir(run) -> str:

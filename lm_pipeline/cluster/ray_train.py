@@ -213,18 +213,34 @@ def run_on_ray(config_yaml: str, store_root: str, spec: RayTrainSpec, *, expecte
             except Exception:  # process 0 is gone or busy: the wait below tells which
                 pass
 
-        pending, results = list(refs), {}
-        while pending:
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_seconds)
+        pending, results, failures = list(refs), {}, {}
+
+        def collect(done) -> None:
             for ref in done:
-                i = refs[ref]
                 try:
-                    results[i] = ray.get(ref)
+                    results[refs[ref]] = ray.get(ref)
                 except Exception as e:
-                    p = procs[i]
-                    raise TrainProcessFailed(f"training process {i} of {n} (pid {p['pid']} on {p['ip']}) failed: "
-                                             f"{_first_line(e)}; the other processes were stopped") from None
+                    failures[refs[ref]] = e
+
+        while pending and not failures:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_seconds)
+            collect(done)
             relay()
+        if failures:
+            # A process that dies takes its peers' collectives down with it, and a peer's error
+            # may arrive first: wait a little for the death to be reported, and name it.
+            deadline = time.monotonic() + 10.0
+            while pending and not any(isinstance(e, ray.exceptions.RayActorError) for e in failures.values()) \
+                    and time.monotonic() < deadline:
+                done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                collect(done)
+            dead = sorted(i for i, e in failures.items() if isinstance(e, ray.exceptions.RayActorError))
+            i = dead[0] if dead else min(failures)
+            p, also = procs[i], sorted(set(failures) - {i})
+            raise TrainProcessFailed(
+                f"training process {i} of {n} (pid {p['pid']} on {p['ip']}) failed: {_first_line(failures[i])}"
+                + (f" (process {', '.join(map(str, also))} failed too)" if also else "")
+                + "; the other processes were stopped")
         relay()
         return {**results[0], "processes": procs}
     finally:
