@@ -4,8 +4,11 @@ submits one Ray job that runs the run as two processes of one ``jax.distributed`
 On a cluster the fixture starts on this machine (a head node and one worker node, 1 CPU each,
 ``tests/helpers/ray_cluster.py``) the tiny experiment's ``train_ckpt`` is materialized three ways:
 
-* ``one``: the default launcher (its own process through Pipes, one process), the reference;
-* ``ray``: two processes on the cluster (one per node), uninterrupted;
+* ``one``: the default launcher (its own process through Pipes, one process, a local store), the
+  reference;
+* ``ray``: two processes on the cluster (one per node), uninterrupted, the store (token cache,
+  checkpoints, manifest) on the loopback S3 server (``tests/helpers/s3.py``; the credentials
+  reach the cluster's processes through the job's environment);
 * ``killed``: the same, but training process 1 is SIGKILLed mid-run: the fault point
   ``train_ckpt.after_step`` (armed once) holds one process after step 5, once the step-3
   checkpoint is complete (the other waits for it in the next step's all-reduce); the test reads
@@ -17,7 +20,8 @@ gradient's all-reduce over two processes sums in another order than one process'
 reduction, so bit equality is not expected; ``tests/test_multihost.py`` has the same bound). Each
 process reads its own half of every global batch, so two processes that read the same rows, or
 a slice at the wrong offset, change the loss at the first step. The killed run's retry resumes
-from step 3 (not 0) and ends with exactly the uninterrupted run's parameters.
+from step 3 (not 0) and ends with exactly the uninterrupted run's parameters. (Checked: with every
+process reading process 0's rows, step 1's loss differs by 5e-3.)
 """
 
 from __future__ import annotations
