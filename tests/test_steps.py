@@ -324,3 +324,37 @@ def test_fanned_out_token_cache_equals_the_single_process_one(tmp_path):
     again = fan.token_cache_commit([])
     assert again.hit
     assert fan.token_cache().hit  # both paths address the same artifact
+
+
+# --------------------------------------------------------------------------------------------
+# Several processes of one training run: only process 0 locks and commits
+# --------------------------------------------------------------------------------------------
+
+
+def test_only_process_0_of_a_distributed_run_locks_and_commits_the_training_artifact(tiny):
+    import threading
+
+    _, path = tiny
+    dist = {"trainer.distributed.num_processes": 2, "trainer.distributed.coordinator_address": "127.0.0.1:1"}
+    follower = _pipe(path, {**dist, "trainer.distributed.process_id": 1})
+    leader = _pipe(path, {**dist, "trainer.distributed.process_id": 0})
+    fp = leader.address("train_ckpt").fingerprint
+    assert follower.address("train_ckpt").fingerprint == fp  # distributed settings are not semantic
+    art = leader.store.artifact("train_ckpt", fp)
+    wrote: list[str] = []
+
+    def write(where: str):
+        wrote.append(where)
+        return {"steps": 1}, {}
+
+    done = threading.Event()
+    with leader.store.lock(art):  # process 0 holds the builders' lock for the whole run
+        t = threading.Thread(target=lambda: (follower.run("train_ckpt", write), done.set()), daemon=True)
+        t.start()
+        assert done.wait(60), "a follower process waited for the lock process 0 holds (deadlock in a real run)"
+    assert wrote == [art.path]
+    assert leader.store.manifest("train_ckpt", fp) is None  # the follower committed nothing
+    res = leader.run("train_ckpt", write)
+    assert not res.hit and leader.store.manifest("train_ckpt", fp) is not None
+    # other stages lock and commit in every process as before
+    assert _pipe(path, {**dist, "trainer.distributed.process_id": 1}).raw_shards().manifest is not None

@@ -94,25 +94,6 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-class _FollowerStore:
-    """The store as processes 1..N-1 see it: no builder lock (process 0 holds it for the run)
-    and no manifest (process 0 commits it); everything else is the real store."""
-
-    def __init__(self, store):
-        self._store = store
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-    def lock(self, art, timeout=None):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def commit(self, art, info):
-        return {"stage": art.stage, "fingerprint": art.fingerprint, **info}
-
-
 class TrainProcess:
     """One process of the run (a Ray actor; ``max_concurrency=2`` so :meth:`drain` answers
     while :meth:`train` runs)."""
@@ -156,7 +137,7 @@ class TrainProcess:
             ("trainer.distributed.process_id", pid), ("trainer.distributed.initialize", n > 1)])
         cfg = from_dict(RunConfig, raw)
         store = ArtifactStore(store_root)
-        pipe = Pipeline(cfg, store if pid == 0 else _FollowerStore(store), progress=False)
+        pipe = Pipeline(cfg, store, progress=False)  # process 0 locks and commits (steps.pipeline.DISTRIBUTED_STAGES)
         fp = pipe.address("train_ckpt").fingerprint
         if expected_fingerprint and fp != expected_fingerprint:
             raise RuntimeError(f"train_ckpt fingerprint {fp} differs from the orchestrator's {expected_fingerprint}; "

@@ -17,7 +17,9 @@ and the manifest written last live there.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,6 +35,22 @@ from lm_pipeline.steps.stages import STAGES, Stage, stage_table
 from lm_pipeline.store import ArtifactStore, StorageError, storage_error
 
 log = logging.getLogger(__name__)
+
+#: Stages that all processes of one ``jax.distributed`` run build together (each writes its part).
+#: Process 0 takes the builders' lock and commits the manifest; the other processes do neither: a
+#: follower waiting for the lock that process 0 holds while process 0 waits for the follower in
+#: ``jax.distributed`` start-up would deadlock, and one manifest per artifact is the rule.
+DISTRIBUTED_STAGES = frozenset({"train_ckpt"})
+
+
+def process_index(cfg: RunConfig) -> int:
+    """This process's index in a multi-process run, known before ``jax.distributed`` starts: the
+    config's ``trainer.distributed.process_id``, else the launcher's ``SLURM_PROCID``, else 0."""
+    pid = cfg.trainer.distributed.process_id
+    if pid is not None:
+        return int(pid)
+    env = os.environ.get("SLURM_PROCID", "").strip()
+    return int(env) if env.isdigit() and cfg.trainer.distributed.enabled else 0
 
 #: A stage's writer: fills the artifact directory at ``path``, returns (summary, manifest extras).
 Writer = Callable[[str], tuple[dict[str, Any], dict[str, Any]]]
@@ -276,16 +294,19 @@ class Pipeline:
         if manifest is not None:
             log.info("%s %s: cache hit (%s)", name, addr.fingerprint, art.path)
             return StageResult(name, addr.fingerprint, art.path, True, manifest, time.perf_counter() - t0)
+        follower = name in DISTRIBUTED_STAGES and process_index(self.cfg) > 0
         try:
-            with self.store.lock(art):
+            with contextlib.nullcontext() if follower else self.store.lock(art):
                 manifest = self.store.manifest(name, addr.fingerprint)  # another writer may have finished
                 if manifest is not None:
                     return StageResult(name, addr.fingerprint, art.path, True, manifest, time.perf_counter() - t0)
-                log.info("%s %s: building at %s", name, addr.fingerprint, art.path)
+                log.info("%s %s: building at %s%s", name, addr.fingerprint, art.path,
+                         f" (process {process_index(self.cfg)}: process 0 commits it)" if follower else "")
                 summary, extra = _staged(write, art.path) if staged else write(art.path)
-                manifest = self.store.commit(art, {"config": addr.config, "inputs": addr.inputs,
-                                                   "code_version": addr.code_version, "summary": summary,
-                                                   "seconds": round(time.perf_counter() - t0, 3), **extra})
+                info = {"config": addr.config, "inputs": addr.inputs, "code_version": addr.code_version,
+                        "summary": summary, "seconds": round(time.perf_counter() - t0, 3), **extra}
+                manifest = ({"stage": name, "fingerprint": addr.fingerprint, **info} if follower
+                            else self.store.commit(art, info))
         except StorageError:
             raise
         except Exception as e:
