@@ -3,7 +3,8 @@
 ``save`` returns once the arrays are in host memory; the write, the marker and the cleanup finish
 in a background thread (``wait()`` joins it and re-raises its errors). In a multi-process run every
 process calls ``save``/``wait``; Orbax writes each process's shards, process 0 writes the extra
-files and, after every process reported its part written, the marker (:mod:`.commit`).
+files and, after every process reported its part written, the marker (:mod:`.commit`). On an
+object store each process stages into its own local directory and uploads its own part (:mod:`.remote`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from lm_pipeline import atomic, fs
 from lm_pipeline.faultpoints import faultpoint
 from lm_pipeline.train.checkpoint.commit import TIMEOUT_S, MultiProcessCommit, log_on_primary
 from lm_pipeline.train.checkpoint.discovery import latest_checkpoint, read_metadata
-from lm_pipeline.train.checkpoint.flatten import new_pytree_handler, prepare_state
+from lm_pipeline.train.checkpoint.flatten import new_pytree_handler, per_process_options, prepare_state
 from lm_pipeline.train.checkpoint.integrity import file_digests
 from lm_pipeline.train.checkpoint.marker import (
     BEST_DIR,
@@ -79,19 +80,6 @@ def _write_extra_files(path: str, extras: Mapping[str, ExtraFile]) -> None:
             atomic.atomic_write_bytes(target, value.encode() if isinstance(value, str) else value)
 
 
-def _host_count() -> int:
-    """How many distinct hosts the processes of this run are on (a collective: every process)."""
-    import hashlib
-    import socket
-
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    mine = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:4], "little")
-    every = multihost_utils.process_allgather(np.array([mine], dtype=np.uint32))
-    return len(set(np.asarray(every).reshape(-1).tolist()))
-
-
 @dataclasses.dataclass
 class _Save:
     """One save whose arrays are being written; finished by :meth:`Checkpointer._finish`."""
@@ -139,14 +127,9 @@ class Checkpointer:
         if base is None:
             raise ValueError("Checkpointer needs a directory: set checkpointer.base_path or pass base_path_override")
         self.base_path = fs.norm(base)
-        if not fs.is_local(self.base_path) and jax.process_count() > 1:
-            hosts = _host_count()
-            if hosts > 1:
-                raise ValueError(
-                    f"checkpoints on an object store ({self.base_path}) are staged in a local directory that every "
-                    f"process of the run must see, and this run spans {hosts} hosts: set "
-                    "trainer.checkpointer.base_path to a filesystem every host mounts (NFS, a mounted bucket), or "
-                    "run the processes on one host")
+        # Object store, several processes: each stages into its own local dir (no shared
+        # filesystem needed, the processes may be on different hosts), see .remote.
+        self._per_process = not fs.is_local(self.base_path) and jax.process_count() > 1
         self._clock = clock
         self._interval = config.save_interval_seconds
         self._async = async_save
@@ -245,6 +228,8 @@ class Checkpointer:
             staging = self._start_array_write(path, flat)
         blocking_s = time.perf_counter() - t0
         marker = new_marker(step, kind, eval_loss=loss, arrays=arrays, extra_files=list(extras), metadata=user_meta)
+        if self._per_process:
+            marker["state"]["format"] = "orbax-pytree-zarr3"  # one chunk file per shard, no OCDBT (.remote)
         job = _Save(step=step, kind=kind, path=path, marker=marker, has_arrays=bool(flat), update_best=update_best,
                     sync_key=f"lm_pipeline_checkpoint_{step}_{self._counter}", t0=t0, blocking_s=blocking_s,
                     staging=staging)
@@ -268,7 +253,7 @@ class Checkpointer:
         import orbax.checkpoint as ocp
 
         if not fs.is_local(path):  # every process, before the barrier: no array is written yet
-            shutil.rmtree(staging_dir(path, self._counter), ignore_errors=True)
+            shutil.rmtree(staging_dir(path, self._counter, jax.process_index()), ignore_errors=True)
         if jax.process_index() == 0:
             if fs.exists(path):
                 logger.warning("checkpoint: removing incomplete %s before saving step %d", path, step)
@@ -280,14 +265,18 @@ class Checkpointer:
     def _start_array_write(self, path: str, flat: dict[str, Any]) -> str | None:
         """Copy this process's shards to host memory and start writing them (Orbax, async).
 
-        On an object store Orbax writes into a local staging dir (returned; the same path on
-        every process), which each process uploads its part of when complete (:mod:`.remote`);
-        the marker is written after every part."""
+        On an object store Orbax writes into a local staging dir (returned; one per process),
+        which each process uploads its part of when complete (:mod:`.remote`); the marker is
+        written after every part."""
         import orbax.checkpoint as ocp
 
         if self._orbax is None:
-            self._orbax = ocp.AsyncCheckpointer(new_pytree_handler(), timeout_secs=TIMEOUT_S)
-        staging = None if fs.is_local(path) else staging_dir(path, self._counter)  # emptied in _prepare_dir
+            if self._per_process:
+                self._orbax = ocp.AsyncCheckpointer(new_pytree_handler(per_process=True), timeout_secs=TIMEOUT_S,
+                                                    multiprocessing_options=per_process_options())
+            else:
+                self._orbax = ocp.AsyncCheckpointer(new_pytree_handler(), timeout_secs=TIMEOUT_S)
+        staging = None if fs.is_local(path) else staging_dir(path, self._counter, jax.process_index())  # emptied
         target = fs.join(path, STATE_DIR) if staging is None else os.path.join(staging, STATE_DIR)
         self._orbax.save(target, args=ocp.args.PyTreeSave(flat))
         return staging
@@ -307,20 +296,21 @@ class Checkpointer:
     def _finish(self, job: _Save) -> None:
         """Every process: wait for its array write, then commit (process 0 writes the marker)."""
         local_error: BaseException | None = None
+        uploaded: dict[str, dict] = {}
         try:
             if job.has_arrays:
                 self._orbax.wait_until_finished()
                 if job.staging is not None:  # object store: the arrays are complete locally; upload them
-                    upload_state(job.staging, STATE_DIR, fs.join(job.path, STATE_DIR),
-                                 jax.process_index(), jax.process_count())
+                    uploaded = upload_state(job.staging, STATE_DIR, fs.join(job.path, STATE_DIR), jax.process_index())
         except BaseException as e:
             local_error = e
         removed: list[str] = []
         try:
             if jax.process_index() != 0:
-                self._commit.follow(job.sync_key, job.path, local_error)
+                self._commit.follow(job.sync_key, job.path, local_error, uploaded)
             else:
-                removed = self._commit.lead(job.sync_key, job.path, local_error, lambda: self._complete(job))
+                removed = self._commit.lead(job.sync_key, job.path, local_error,
+                                            lambda reported: self._complete(job, uploaded, reported))
         finally:
             if job.staging is not None:
                 shutil.rmtree(job.staging, ignore_errors=True)
@@ -331,9 +321,22 @@ class Checkpointer:
             f"; removed {', '.join(removed)}" if removed else "",
         )
 
-    def _complete(self, job: _Save) -> list[str]:
-        """Process 0, every part written: the marker, then ``best/``, then pruning (what was removed)."""
-        job.marker["files"] = file_digests(job.path, job.staging)  # what resuming checks before trusting it
+    def _complete(self, job: _Save, uploaded: dict[str, dict] | None = None,
+                  reported: dict[int, dict[str, dict]] | None = None) -> list[str]:
+        """Process 0, every part written: the marker, then ``best/``, then pruning (what was removed).
+
+        ``uploaded``: the files process 0 uploaded; ``reported``: process -> the files it uploaded
+        (relative path -> size, sha256). Every one must be on the store with its size."""
+        known = dict(uploaded or {})
+        for part in (reported or {}).values():
+            known.update(part)
+        files = file_digests(job.path, job.staging, known)  # what resuming checks before trusting it
+        missing = [f"{rel} (process {p})" for p, part in sorted((reported or {}).items()) for rel, want in
+                   sorted(part.items()) if files.get(rel, {}).get("size") != want["size"]]
+        if missing:
+            raise RuntimeError(f"checkpoint {job.path}: uploaded parts missing or of another size on the store: "
+                               f"{', '.join(missing[:5])}")
+        job.marker["files"] = files
         stamp_complete(job.marker)
         faultpoint("checkpoint.before_marker")  # arrays written, marker not yet
         self._write_marker(job.path, job.marker)

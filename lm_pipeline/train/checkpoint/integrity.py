@@ -36,7 +36,7 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _remote_digests(step_dir: str, staged: str | None) -> dict[str, dict]:
+def _remote_digests(step_dir: str, staged: str | None, uploaded: dict[str, dict] | None) -> dict[str, dict]:
     store, inner = fs.get_fs(step_dir)
     inner = inner.rstrip("/")
     store.invalidate_cache(inner)
@@ -47,7 +47,10 @@ def _remote_digests(step_dir: str, staged: str | None) -> dict[str, dict]:
             continue
         size = int(info.get("size") or 0)
         local = os.path.join(staged, *rel.split("/")) if staged else None
-        if local and os.path.isfile(local) and os.path.getsize(local) == size:
+        known = (uploaded or {}).get(rel)
+        if known is not None and known.get("size") == size:
+            digest = known["sha256"]  # hashed from the local bytes by the process that uploaded them
+        elif local and os.path.isfile(local) and os.path.getsize(local) == size:
             digest = _sha256(local)  # the bytes that were uploaded
         else:
             h = hashlib.sha256()
@@ -59,14 +62,16 @@ def _remote_digests(step_dir: str, staged: str | None) -> dict[str, dict]:
     return out
 
 
-def file_digests(step_dir: str, staged: str | None = None) -> dict[str, dict]:
+def file_digests(step_dir: str, staged: str | None = None, uploaded: dict[str, dict] | None = None
+                 ) -> dict[str, dict]:
     """Relative path -> ``{"size", "sha256"}`` of every file of a step dir (the marker excluded).
 
-    On an object store the files are listed there (their sizes as stored) and hashed from
-    ``staged``, a local directory with the same layout holding what was uploaded, where it has
-    the file with that size, else read back."""
+    On an object store the files are listed there (their sizes as stored) and their hashes taken
+    from ``uploaded`` (relative path -> size, sha256 of the bytes a process uploaded) where the
+    size matches, else hashed from ``staged``, a local directory with the same layout holding what
+    was uploaded, where it has the file with that size, else read back."""
     if not fs.is_local(step_dir):
-        return _remote_digests(step_dir, staged)
+        return _remote_digests(step_dir, staged, uploaded)
     root = fs.local_path(step_dir)
     out: dict[str, dict] = {}
     for parent, dirs, files in os.walk(root):

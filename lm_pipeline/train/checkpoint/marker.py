@@ -2,7 +2,8 @@
 
 Layout of one checkpoint dir (``<base_path>/step-<N>/`` or ``<base_path>/best/``)::
 
-    state/             # the train state: Orbax PyTree checkpoint, OCDBT + zarr3 (a few files)
+    state/             # the train state: Orbax PyTree checkpoint, OCDBT + zarr3 (a few files);
+                       # multi-process runs on an object store: zarr3, a chunk file per shard
     config.yaml ...    # extra files given by the caller (files or whole directories)
     checkpoint.json    # completion marker, written LAST and atomically
 

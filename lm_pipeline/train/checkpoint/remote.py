@@ -1,9 +1,14 @@
 """Checkpoints on object stores (``s3://``, ``gs://``, ...): staged writes, local read copies.
 
-Orbax writes a checkpoint's arrays into a local staging directory (the same path on every
-process; each process of a multi-process run uploads the parts it wrote); once they are complete
-they are uploaded under ``<run>/step-<N>/``, the per-file sizes and sha256 are recorded in the marker,
-and the marker (``checkpoint.json``, one PUT) is uploaded last. A process killed at any moment of
+Orbax writes a checkpoint's arrays into a local staging directory; once they are complete they
+are uploaded under ``<run>/step-<N>/``, the per-file sizes and sha256 are recorded in the marker,
+and the marker (``checkpoint.json``, one PUT) is uploaded last. In a multi-process run every
+process stages into its own directory (no filesystem is shared, the processes may be on different
+hosts): Orbax runs with every process as its own primary and without OCDBT (zarr3, one chunk file
+per shard), so no process needs another's files; process 0 uploads everything it wrote (its
+chunks and the checkpoint's metadata), every other process only its own chunk files and its
+``array_metadatas/process_<i>``, and reports their sizes and sha256 to process 0, which writes the
+marker after every process's part is on the store (:mod:`.commit`). A process killed at any moment of
 the upload leaves a ``step-<N>/`` without a marker, which discovery ignores and the next save of
 that step replaces: a partial upload is never read as a checkpoint.
 
@@ -73,15 +78,17 @@ def forget_copy(path: str, marker: dict) -> None:
         shutil.rmtree(os.path.join(cache_root(), _key(fs.norm(path), marker)), ignore_errors=True)
 
 
-def staging_dir(url: str, counter: int) -> str:
-    """The local directory Orbax writes a checkpoint of ``url`` into before it is uploaded: the
-    same path on every process of a run (Orbax's processes agree on one directory), under
-    :func:`cache_root`."""
+def staging_dir(url: str, counter: int, process_index: int = 0) -> str:
+    """The local directory Orbax writes a checkpoint of ``url`` into before it is uploaded, under
+    :func:`cache_root`: one per process (processes on one host never share it)."""
     key = hashlib.sha256(f"{fs.norm(url)}#{counter}".encode()).hexdigest()[:16]
-    return os.path.join(cache_root(), "staging", key)
+    return os.path.join(cache_root(), "staging", f"{key}-p{int(process_index)}")
 
 
-_OWNER = re.compile(r"(?:^|/)(?:ocdbt\.)?process_(\d+)(?:/|$)")
+# What a process other than 0 writes (its own parts) and what every process writes but only
+# process 0 uploads (the checkpoint's metadata, the same on every process or process 0's to keep).
+_CHUNK = re.compile(r"^[^/]+/c(?:/|$)")  # zarr3 chunk files of one array: <key>/c/<i>/<j>...
+_SHARED = re.compile(r"^(?:_METADATA|_CHECKPOINT_METADATA|_sharding|commit_success\.txt|[^/]+/zarr\.json)$")
 
 
 def _written_dir(staging: str, name: str) -> str:
@@ -96,21 +103,39 @@ def _written_dir(staging: str, name: str) -> str:
     return max(tmps, key=os.path.getmtime)
 
 
-def upload_state(staging: str, name: str, url: str, process_index: int = 0, process_count: int = 1) -> None:
-    """Upload what Orbax wrote under ``staging/<name>`` to ``url`` file by file. With several
-    processes each uploads the files it wrote (``process_<i>`` parts); process 0 the rest. A
-    fault point between the files (``checkpoint.upload_partial``) lets tests kill the upload."""
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def upload_state(staging: str, name: str, url: str, process_index: int = 0) -> dict[str, dict]:
+    """Upload what this process's Orbax wrote under ``staging/<name>`` to ``url`` file by file;
+    returns ``{"<name>/<rel>": {"size", "sha256"}}`` of the uploaded bytes.
+
+    Process 0 uploads every file; another process (its own staging dir) only its parts: chunk
+    files and ``array_metadatas/process_<i>``, the rest being process 0's copy of the metadata. A
+    file of an unexpected kind on another process is an error (never silently left out). A fault
+    point between the files (``checkpoint.upload_partial``) lets tests kill the upload."""
     local_dir = _written_dir(staging, name)
     files = []
     for parent, dirs, names in os.walk(local_dir):
         dirs.sort()
         for n in sorted(names):
             rel = os.path.relpath(os.path.join(parent, n), local_dir).replace(os.sep, "/")
-            owner = _OWNER.search(rel)
-            mine = (int(owner.group(1)) if owner else 0) == process_index
-            if process_count == 1 or mine:
+            if process_index == 0 or _CHUNK.match(rel) or rel == f"array_metadatas/process_{process_index}":
                 files.append(rel)
+            elif not (_SHARED.match(rel) or rel.startswith("array_metadatas/")):
+                raise RuntimeError(
+                    f"checkpoint: process {process_index} wrote {rel} under {local_dir}, a file of a kind it "
+                    "does not upload (neither a chunk nor metadata process 0 writes); refusing an incomplete upload")
+    out: dict[str, dict] = {}
     for i, rel in enumerate(files):
-        fs.put(os.path.join(local_dir, *rel.split("/")), fs.join(url, *rel.split("/")))
-        if i == len(files) // 2:
-            faultpoint("checkpoint.upload_partial")  # some array files uploaded, not all
+        local = os.path.join(local_dir, *rel.split("/"))
+        out[f"{name}/{rel}"] = {"size": os.path.getsize(local), "sha256": _sha256(local)}
+        fs.put(local, fs.join(url, *rel.split("/")))
+        if i == (len(files) - 1) // 2:
+            faultpoint("checkpoint.upload_partial")  # some array files uploaded, not all (one of two)
+    return out
