@@ -29,9 +29,10 @@ import numpy as np
 
 TOKEN_DTYPE = np.uint32
 _PROBE = "lm_pipeline probe: hello world 123"
-# Documents per encode_batch call; a batch also closes once it holds this many characters.
-_BATCH_DOCS = 512
-_BATCH_CHARS = 1 << 21
+# One encode batch = one part the cache builder appends: at most this many documents, and at most
+# this many characters unless it is a single longer document (see DocumentEncoder.iter_parts).
+PART_DOCS = 512
+PART_CHARS = 1 << 21
 
 
 class Shard(Protocol):
@@ -173,7 +174,10 @@ def tokenizer_info(tokenizer_dir: str, tok=None) -> TokenizerInfo:
 class DocumentEncoder:
     """Encodes documents the cache's way (see the module docstring)."""
 
-    def __init__(self, tokenizer_dir: str, info: TokenizerInfo | None = None):
+    def __init__(self, tokenizer_dir: str, info: TokenizerInfo | None = None, *, part_docs: int | None = None,
+                 part_chars: int | None = None):
+        self.part_docs = part_docs or PART_DOCS
+        self.part_chars = part_chars or PART_CHARS
         self.tok = load_tokenizer(tokenizer_dir)
         self.info = info or tokenizer_info(tokenizer_dir, self.tok)
         fast = getattr(self.tok, "encode_batch_fast", None)  # skips offsets; tokenizers >= 0.21
@@ -194,46 +198,82 @@ class DocumentEncoder:
         )
         return EncodedShard(flat, lens, nbytes)
 
-    def encode_stream(self, texts: Iterable[str]) -> EncodedShard:
-        """Encode a stream of documents in batches; the result is independent of the batching."""
-        parts: list[EncodedShard] = []
+    def iter_parts(self, texts: Iterable[str]) -> Iterator[EncodedShard]:
+        """Encode a stream of documents one batch at a time: one part per encode batch.
+
+        A batch closes at ``part_docs`` documents (:data:`PART_DOCS`), or before the document that
+        would take it past ``part_chars`` characters (:data:`PART_CHARS`; a single longer document
+        is a part of its own), so the memory a caller needs is bounded by the part size, not by
+        the stream's length. At least one (possibly empty) part is yielded. Concatenating the parts
+        gives :meth:`encode_stream`'s result: tokenization is per document, whatever the batching.
+        """
         batch: list[str] = []
         chars = 0
+        yielded = False
+        max_docs, max_chars = self.part_docs, self.part_chars
         for text in texts:
             if not isinstance(text, str):
                 raise TypeError(f"documents must be str, got {type(text).__name__}")
+            if batch and chars + len(text) > max_chars:
+                yield self.encode_texts(batch)
+                yielded = True
+                batch, chars = [], 0
             batch.append(text)
             chars += len(text)
-            if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
-                parts.append(self.encode_texts(batch))
+            if len(batch) >= max_docs or chars >= max_chars:
+                yield self.encode_texts(batch)
+                yielded = True
                 batch, chars = [], 0
-        if batch or not parts:
-            parts.append(self.encode_texts(batch))
-        if len(parts) == 1:
-            return parts[0]
-        return EncodedShard(*(np.concatenate(p) for p in zip(*parts, strict=True)))
+        if batch or not yielded:
+            yield self.encode_texts(batch)
 
-    def encode_shard(self, shard: Shard) -> EncodedShard:
+    def encode_stream(self, texts: Iterable[str]) -> EncodedShard:
+        """Encode a stream of documents whole (the concatenation of :meth:`iter_parts`)."""
+        return concat_parts(list(self.iter_parts(texts)))
+
+    def iter_shard(self, shard: Shard) -> Iterator[EncodedShard]:
+        """:meth:`iter_parts` over a shard's texts; errors name the shard."""
         try:
-            return self.encode_stream(shard.iter_texts())
+            yield from self.iter_parts(shard.iter_texts())
         except Exception as e:
             raise RuntimeError(f"tokenizing shard {shard.name!r} failed: {e}") from e
+
+    def encode_shard(self, shard: Shard) -> EncodedShard:
+        """A whole shard, encoded (holds all its ids: the cache builder streams :meth:`iter_shard`)."""
+        return concat_parts(list(self.iter_shard(shard)))
+
+
+def concat_parts(parts: list[EncodedShard]) -> EncodedShard:
+    """The parts of one stream joined into one."""
+    if len(parts) == 1:
+        return parts[0]
+    return EncodedShard(*(np.concatenate(p) for p in zip(*parts, strict=True)))
 
 
 # --- worker-process side ---------------------------------------------------------------------
 
-_WORKER: DocumentEncoder | None = None
 
+def worker_main(tokenizer_dir: str, info: TokenizerInfo, tasks: Any, results: Any,
+                part_docs: int | None = None, part_chars: int | None = None) -> None:
+    """A tokenizer worker process (see :mod:`lm_pipeline.data.cache.build`).
 
-def worker_init(tokenizer_dir: str, info: TokenizerInfo) -> None:
-    """Process-pool initializer: one single-threaded tokenizer per worker process."""
-    global _WORKER
+    Takes ``(index, shard)`` tasks from ``tasks`` until ``None``; for each, puts ``(index,
+    "part", EncodedShard)`` on ``results`` per encode batch, then ``(index, "end", None)``. A
+    failure puts ``(index, "error", (message, traceback))`` and ends the worker. ``results`` is bounded, so a
+    worker ahead of the writer waits instead of holding its shard in memory.
+    """
     # The workers are the parallelism; the tokenizer's own thread pool would oversubscribe cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
-    _WORKER = DocumentEncoder(tokenizer_dir, info)
+    index = -1
+    try:
+        encoder = DocumentEncoder(tokenizer_dir, info, part_docs=part_docs, part_chars=part_chars)
+        while (task := tasks.get()) is not None:
+            index, shard = task
+            for part in encoder.iter_shard(shard):
+                results.put((index, "part", part))
+            results.put((index, "end", None))
+    except Exception as e:  # reported to the builder, which raises it
+        import traceback
 
-
-def worker_encode(shard: Shard) -> EncodedShard:
-    assert _WORKER is not None, "worker_init was not run"
-    return _WORKER.encode_shard(shard)
+        results.put((index, "error", (str(e), traceback.format_exc())))

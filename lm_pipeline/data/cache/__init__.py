@@ -17,9 +17,10 @@ rather than assumed (see :mod:`lm_pipeline.data.encode`).
 
 Building and committing. Shards are tokenized in parallel by worker processes and committed in
 order; each shard's ids, offsets and byte counts are written to the arrays *past* the committed
-counts (space no reader reads: readers bound every read by the ledger's committed counts) as soon
-as it is tokenized, and once a *group* of ``shard_group_size`` shards is written the ledger is
-atomically replaced with the new counts. That replacement is the commit: a reader sees whole
+counts (space no reader reads: readers bound every read by the ledger's committed counts) one
+encode batch at a time as it is tokenized (so memory is bounded by the batch, not the shard), and
+once a *group* of ``shard_group_size`` whole shards is written the ledger is atomically replaced
+with the new counts. That replacement is the commit: a reader sees whole
 groups or nothing. A build killed at any point resumes from the last committed group; the uncommitted tail is overwritten
 with identical bytes, so a resumed build ends byte-identical to an uninterrupted one. The output
 never depends on the number of workers (commit order is the shard order). When all shards are

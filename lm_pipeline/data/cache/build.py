@@ -1,9 +1,10 @@
 """Building a token cache: tokenize shards (in worker processes), commit them in shard order.
 
-Each shard's ids, offsets and byte counts are written past the committed counts as soon as it is
-tokenized; once a group of ``shard_group_size`` shards is written the ledger is replaced (the
-commit). A killed build resumes from its last committed group and ends byte-identical to an
-uninterrupted one; the output never depends on the number of workers.
+Each shard's ids, offsets and byte counts are written past the committed counts one encode batch
+(a part of at most ``encode.PART_CHARS`` characters) at a time, as they are tokenized, so memory
+does not grow with the shards' size; once a group of ``shard_group_size`` whole shards is written
+the ledger is replaced (the commit). A killed build resumes from its last committed group and
+ends byte-identical to an uninterrupted one; the output never depends on the number of workers.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import queue
 import sys
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from lm_pipeline.data import encode
 from lm_pipeline.data.cache.errors import CacheMismatchError
 from lm_pipeline.data.cache.ledger import incompatibility, shard_plan
 from lm_pipeline.data.cache.storage import COMPLETE, LEDGER, CacheRoot
@@ -27,8 +28,7 @@ from lm_pipeline.data.encode import (
     Shard,
     TokenizerInfo,
     tokenizer_info,
-    worker_encode,
-    worker_init,
+    worker_main,
 )
 
 __all__ = ["build_cache"]
@@ -47,29 +47,88 @@ def _resolve_workers(num_workers: int) -> int:
         return os.cpu_count() or 1
 
 
-def _ordered_map(
-    fn: Callable[[Any], Any], items: Sequence[Any], workers: int, init: Callable[..., None], initargs: tuple
-) -> Iterator[Any]:
-    """``map(fn, items)`` over a process pool, in order, with a bounded window of work in flight."""
+# Encoded parts a worker may hold ready beyond the one being written, per worker: ~4 encode
+# batches make an 8 MB shard, so a worker can run about two such shards ahead of the writer.
+PARTS_AHEAD = 8
+_POLL_S = 1.0
+
+# What the writer consumes: (shard index in the list given, a part of it), then (index, None)
+# once the shard's parts are all given.
+PartStream = Iterator[tuple[int, EncodedShard | None]]
+
+
+def _local_parts(shards: Sequence[Shard], tokenizer_dir: str, info: TokenizerInfo) -> PartStream:
+    encoder = DocumentEncoder(tokenizer_dir, info, part_docs=encode.PART_DOCS, part_chars=encode.PART_CHARS)
+    for i, shard in enumerate(shards):
+        for part in encoder.iter_shard(shard):
+            yield i, part
+        yield i, None
+
+
+def _worker_parts(shards: Sequence[Shard], workers: int, tokenizer_dir: str, info: TokenizerInfo) -> PartStream:
+    """The shards' parts, tokenized by ``workers`` processes, in shard order.
+
+    Shard ``i`` goes to worker ``i % workers``, which streams its parts through its own queue of
+    :data:`PARTS_AHEAD` parts: memory is bounded by the parts, whatever the shards' sizes, and the
+    order costs no buffering (the writer reads one worker's queue at a time; a worker that is
+    ahead waits on its full queue). Shards much bigger than the queue thus overlap less.
+    """
     ctx = multiprocessing.get_context("spawn")  # never fork a process that runs TensorStore threads
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=init, initargs=initargs) as pool:
-        window = max(2 * workers, 2)
-        pending: deque = deque()
-        it = iter(items)
+    tasks = [ctx.Queue() for _ in range(workers)]
+    results = [ctx.Queue(PARTS_AHEAD) for _ in range(workers)]
+    args = (tokenizer_dir, info)
+    limits = (encode.PART_DOCS, encode.PART_CHARS)
+    procs = [ctx.Process(target=worker_main, args=(*args, tasks[w], results[w], *limits), daemon=True,
+                         name=f"lm_pipeline-tokenizer-{w}") for w in range(workers)]
+    try:
+        for p in procs:
+            p.start()
+        for i, shard in enumerate(shards):
+            tasks[i % workers].put((i, shard))
+        for q in tasks:
+            q.put(None)
+        for i in range(len(shards)):
+            w = i % workers
+            while True:
+                index, kind, payload = _receive(results[w], procs[w], shards[i])
+                if kind == "error":
+                    message, trace = payload
+                    log.debug("tokenizer worker %d failed:\n%s", w, trace)
+                    raise RuntimeError(message)
+                if index != i:
+                    raise RuntimeError(f"tokenizer worker {w} sent shard {index}, expected {i}")
+                yield i, (payload if kind == "part" else None)
+                if kind == "end":
+                    break
+    finally:
+        for q in tasks:
+            q.cancel_join_thread()
+            q.close()
+        for p in procs:
+            if p.pid is None:  # never started
+                continue
+            p.join(timeout=0.5 if p.is_alive() else None)
+            if p.is_alive():  # still working (an error or an early stop): it holds nothing we need
+                p.terminate()
+                p.join()
+        for q in results:
+            q.close()
+
+
+def _receive(q: Any, proc: Any, shard: Shard) -> tuple[int, str, Any]:
+    """The next message from a worker's queue; raises if the worker died without one."""
+    while True:
         try:
-            for item in it:
-                pending.append(pool.submit(fn, item))
-                if len(pending) >= window:
-                    break
-            while pending:
-                result = pending.popleft().result()
-                for item in it:
-                    pending.append(pool.submit(fn, item))
-                    break
-                yield result
-        finally:
-            for f in pending:
-                f.cancel()
+            return q.get(timeout=_POLL_S)
+        except queue.Empty:
+            if not proc.is_alive():
+                try:
+                    return q.get(timeout=_POLL_S)  # sent just before it exited
+                except queue.Empty:
+                    raise RuntimeError(
+                        f"tokenizing shard {shard.name!r} failed: the tokenizer worker process died "
+                        f"(exit code {proc.exitcode})"
+                    ) from None
 
 
 def build_cache(
@@ -151,18 +210,20 @@ def _build(
         log.info("%s: resuming the token cache build at shard %d of %d", root, done, len(shards))
     workers = min(workers, len(todo))
     if workers <= 1:
-        encoder = DocumentEncoder(tokenizer_dir, info)
-        results: Iterator[EncodedShard] = map(encoder.encode_shard, todo)
+        parts = _local_parts(todo, tokenizer_dir, info)
     else:
-        results = _ordered_map(worker_encode, todo, workers, worker_init, (tokenizer_dir, info))
+        parts = _worker_parts(todo, workers, tokenizer_dir, info)
     committer = Committer(root, ledger, arrays)
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(shards), initial=done, desc="tokenize", unit="shard", disable=None if progress else True,
                dynamic_ncols=True, file=sys.stderr)
     try:
-        for i, part in enumerate(results):
-            committer.append(todo[i], part)
+        for i, part in parts:
+            if part is not None:
+                committer.append_part(part)  # past the committed counts: invisible until the commit
+                continue
+            committer.end_shard(todo[i])
             if len(committer.staged) == group_size or i + 1 == len(todo):
                 n = len(committer.staged)
                 committer.commit()
@@ -170,6 +231,5 @@ def _build(
                 bar.set_postfix(tokens=ledger["committed"]["tokens"], refresh=False)
     finally:
         bar.close()
-        if hasattr(results, "close"):
-            results.close()  # shuts the pool down on errors too
+        parts.close()  # stops the workers on errors too
 

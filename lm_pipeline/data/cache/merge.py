@@ -8,18 +8,36 @@ writes for the concatenated shards, without tokenizing again.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from lm_pipeline.data.cache.ledger import incompatibility, shard_plan
-from lm_pipeline.data.cache.reader import open_cache
+from lm_pipeline.data.cache.reader import TokenCache, open_cache
 from lm_pipeline.data.cache.storage import COMPLETE, LEDGER, CacheRoot
 from lm_pipeline.data.cache.writer import Committer, finalize_cache, start_cache
 from lm_pipeline.data.encode import TOKEN_DTYPE, EncodedShard, Shard, tokenizer_info
 
 __all__ = ["merge_cache_parts"]
+
+# Tokens copied per append: a shard is copied in pieces of whole documents of at most this many
+# tokens (or one longer document), so a merge's memory does not grow with the shards' size.
+PIECE_TOKENS = 1 << 22
+
+
+def _shard_pieces(part: TokenCache, d0: int, n: int) -> Iterator[EncodedShard]:
+    """Documents ``d0 .. d0 + n`` of ``part`` in pieces of whole documents."""
+    offsets = np.asarray(part.array("doc_offsets")[d0 : d0 + n + 1].read().result(), np.int64)
+    nbytes = np.asarray(part.array("doc_bytes")[d0 : d0 + n].read().result(), np.int64)
+    a = 0
+    while a < n:
+        b = int(np.searchsorted(offsets, offsets[a] + PIECE_TOKENS, side="right")) - 1
+        b = min(max(b, a + 1), n)
+        t0, t1 = int(offsets[a]), int(offsets[b])
+        tokens = part.read_tokens(t0, t1) if t1 > t0 else np.zeros(0, TOKEN_DTYPE)
+        yield EncodedShard(tokens, np.diff(offsets[a : b + 1]), nbytes[a:b])
+        a = b
 
 
 def merge_cache_parts(
@@ -49,12 +67,10 @@ def merge_cache_parts(
         committer = Committer(root, ledger, arrays)
         for group, part_dir in parts:
             part = open_cache(part_dir, tokenizer_dir=tokenizer_dir, shards=list(group))
-            offsets, doc_bytes = part.doc_offsets, part.doc_bytes
             for rec, shard in zip(part.shards, group, strict=True):
-                d0, n, t0, m = rec["doc_start"], rec["docs"], rec["token_start"], rec["tokens"]
-                tokens = part.read_tokens(t0, t0 + m) if m else np.zeros(0, TOKEN_DTYPE)
-                lengths = np.diff(offsets[d0 : d0 + n + 1]).astype(np.int64)
-                committer.append(shard, EncodedShard(tokens, lengths, np.asarray(doc_bytes[d0 : d0 + n], np.int64)))
+                for piece in _shard_pieces(part, rec["doc_start"], rec["docs"]):
+                    committer.append_part(piece)
+                committer.end_shard(shard)
             committer.commit()
         finalize_cache(root, ledger, arrays)
     return ledger

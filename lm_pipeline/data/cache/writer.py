@@ -54,8 +54,11 @@ def open_arrays(root: CacheRoot) -> Arrays:
 class Committer:
     """Appends shards to the arrays past the committed counts; commits groups through the ledger.
 
-    Each shard's arrays are written as soon as it is tokenized (so the builder holds at most the
-    in-flight shards in memory, not a whole group); readers see them only after :meth:`commit`.
+    A shard is written part by part as it is tokenized (:meth:`append_part`, so the builder holds
+    at most the parts in flight, not a whole shard or group) and closed by :meth:`end_shard`,
+    which stages its ledger record. Readers see nothing of it until :meth:`commit`, which only
+    takes whole shards: a build that dies mid-shard leaves that shard's parts past the committed
+    counts, where no reader looks and the resumed build overwrites them.
     """
 
     def __init__(self, root: CacheRoot, ledger: dict[str, Any], arrays: Arrays):
@@ -65,9 +68,12 @@ class Committer:
         c = ledger["committed"]
         self.docs, self.tokens, self.bytes = c["docs"], c["tokens"], c["bytes"]
         self.staged: list[dict[str, Any]] = []
+        self._open: tuple[int, int, int] | None = None  # (docs, tokens, bytes) where the open shard began
 
-    def append(self, shard: Shard, part: EncodedShard) -> None:
-        """Write ``part`` (``shard``'s encoded documents) past what is staged so far; not yet visible."""
+    def append_part(self, part: EncodedShard) -> None:
+        """Write ``part`` (whole documents of the shard being written) past what is written so far."""
+        if self._open is None:
+            self._open = (self.docs, self.tokens, self.bytes)
         d0, t0 = self.docs, self.tokens
         n, m = len(part.doc_lengths), len(part.tokens)
         d1, t1 = d0 + n, t0 + m
@@ -83,13 +89,25 @@ class Committer:
             futures.append(a["doc_bytes"][d0:d1].write(part.doc_bytes))
         for f in futures:
             f.result()
-        b = int(part.doc_bytes.sum())
-        self.staged.append({"name": shard.name, "fingerprint": shard.fingerprint, "doc_start": d0, "docs": n,
-                            "token_start": t0, "tokens": m, "bytes": b})
-        self.docs, self.tokens, self.bytes = d1, t1, self.bytes + b
+        self.docs, self.tokens, self.bytes = d1, t1, self.bytes + int(part.doc_bytes.sum())
+
+    def end_shard(self, shard: Shard) -> None:
+        """Close the shard whose parts were appended (none: an empty shard) and stage its record."""
+        d0, t0, b0 = self._open if self._open is not None else (self.docs, self.tokens, self.bytes)
+        self._open = None
+        self.staged.append({"name": shard.name, "fingerprint": shard.fingerprint, "doc_start": d0,
+                            "docs": self.docs - d0, "token_start": t0, "tokens": self.tokens - t0,
+                            "bytes": self.bytes - b0})
+
+    def append(self, shard: Shard, part: EncodedShard) -> None:
+        """Write a whole shard at once (``append_part`` + ``end_shard``)."""
+        self.append_part(part)
+        self.end_shard(shard)
 
     def commit(self) -> None:
-        """Make the appended shards visible: one atomic ledger replacement."""
+        """Make the ended shards visible: one atomic ledger replacement."""
+        if self._open is not None:
+            raise CacheError("commit with a shard partly written: end_shard first")
         faultpoint("token_cache.before_commit")  # shards appended to the arrays, ledger not yet replaced
         self.ledger["shards"].extend(self.staged)
         self.ledger["committed"] = {
