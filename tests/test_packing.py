@@ -169,3 +169,38 @@ def test_bad_arguments():
     lay = _layout(np.array([0, 3, 9]), 4, "greedy")
     with pytest.raises(IndexError):
         lay.plan(np.array([lay.num_rows]))
+
+
+def test_greedy_scan_in_chunks_matches_the_definition(monkeypatch):
+    monkeypatch.setattr(packing, "_CHUNK", 7)  # many chunk boundaries inside rows
+    monkeypatch.setattr(packing, "_DOC_CHUNK", 3)
+    rng = np.random.default_rng(5)
+    for T in (4, 16):
+        offsets = _random_docs(rng, T)
+        lay = _layout(offsets, T, "greedy")
+        _, piece_len = split_pieces(offsets, T)
+        ref = _reference_rows(piece_len.tolist(), T, "greedy")
+        assert np.diff(lay.row_ptr).tolist() == [len(r) for r in ref]
+
+
+def test_stored_layout_is_memory_mapped_and_checked(tmp_path):
+    tokdir = tiny_tokenizer(str(tmp_path / "tok"))
+    out = tmp_path / "cache"
+    build_cache(str(out), [TextShard("s", tuple(sample_texts(80, seed=3)))], tokdir, num_workers=1, progress=False)
+    cache = open_cache(str(out))
+    want = pack_documents(cache.doc_offsets, 16, "greedy")
+    for _ in range(2):  # derived, then opened from the files
+        lay = open_packing(cache, 16, "greedy")
+        for name, arr in want.items():
+            got = getattr(lay, name)
+            assert isinstance(got, np.memmap) and got.dtype == arr.dtype
+            np.testing.assert_array_equal(got, arr)
+    d = out / "packing" / "greedy-16"
+    assert sorted(os.listdir(d)) == ["layout.json", "piece_len.npy", "piece_start.npy", "row_ptr.npy"]
+    data = bytearray((d / "piece_start.npy").read_bytes())
+    data[-1] ^= 1  # damaged: not trusted, derived again
+    (d / "piece_start.npy").write_bytes(bytes(data))
+    np.testing.assert_array_equal(open_packing(cache, 16, "greedy").piece_start, want["piece_start"])
+    with pytest.raises(FileNotFoundError):
+        (d / "row_ptr.npy").unlink()
+        open_packing(cache, 16, "greedy", create=False)

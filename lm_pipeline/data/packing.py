@@ -4,9 +4,16 @@ A layout is derived per (strategy, seq_len) from the cache's document offsets al
 beside the cache, so changing ``seq_len`` never re-tokenizes::
 
     <cache>/packing/<strategy>-<seq_len>/
-      layout.npz     row_ptr int64 [rows + 1], piece_start int64 [pieces], piece_len int32 [pieces]
-      layout.json    strategy, seq_len, counts, the cache identity it was derived from, the
-                     sha256 of layout.npz; written last (atomically), so it marks completion
+      row_ptr.npy       int64 [rows + 1]
+      piece_start.npy   int64 [pieces]
+      piece_len.npy     int32 [pieces]
+      layout.json       strategy, seq_len, counts, the cache identity it was derived from, each
+                        file's sha256; written last (atomically), so it marks completion
+
+On a local cache the arrays are memory-mapped when opened: a batch reads the pages of its rows,
+and the loader's memory does not grow with the number of rows (on other stores they are read
+whole). Deriving a ``greedy`` layout is vectorised but for the next-fit scan, which walks the
+pieces in bounded chunks.
 
 Strategies:
 
@@ -52,7 +59,7 @@ __all__ = [
 
 Strategy = Literal["concat", "greedy", "first_fit"]
 STRATEGIES: tuple[str, ...] = ("concat", "greedy", "first_fit")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: one .npy file per array (1: layout.npz)
 
 
 def _check(strategy: str, seq_len: int) -> None:
@@ -83,15 +90,48 @@ def split_pieces(doc_offsets: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.
     return piece_start, piece_len
 
 
-def _next_fit(lens: list[int], seq_len: int) -> np.ndarray:
-    rows = np.empty(len(lens), np.int64)
-    row, free = -1, 0
-    for i, n in enumerate(lens):
-        if n > free:
-            row, free = row + 1, seq_len
-        free -= n
-        rows[i] = row
-    return rows
+_CHUNK = 1 << 16  # pieces per step of the next-fit scan: bounds its Python temporaries
+_DOC_CHUNK = 1 << 16  # documents split into pieces at a time when deriving a greedy layout
+
+
+def _next_fit(piece_len: np.ndarray, seq_len: int, free: int = 0) -> tuple[np.ndarray, int]:
+    """Next fit over ``piece_len``, starting with ``free`` room in the current row: which pieces
+    open a new row, and the room left. The scan is sequential; it walks the pieces in chunks so
+    that only one chunk's lengths are ever Python ints."""
+    opens = np.zeros(len(piece_len), bool)
+    for c in range(0, len(piece_len), _CHUNK):
+        lens = piece_len[c : c + _CHUNK].tolist()
+        heads = []
+        for i, n in enumerate(lens):
+            if n > free:
+                heads.append(i)
+                free = seq_len
+            free -= n
+        opens[c + np.asarray(heads, np.int64)] = True
+    return opens, free
+
+
+def _greedy(doc_offsets: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """The greedy layout, derived a chunk of documents at a time: beyond the result (12 bytes a
+    piece, 8 a row) it holds one chunk's temporaries. Pieces stay in document order."""
+    counts = -(-np.diff(doc_offsets) // seq_len)
+    num_pieces = int(counts.sum())
+    del counts
+    piece_start = np.empty(num_pieces, np.int64)
+    piece_len = np.empty(num_pieces, np.int32)
+    heads, free, p = [], 0, 0
+    for c in range(0, len(doc_offsets) - 1, _DOC_CHUNK):
+        start, length = split_pieces(doc_offsets[c : c + _DOC_CHUNK + 1], seq_len)
+        m = len(start)
+        piece_start[p : p + m] = start
+        piece_len[p : p + m] = length
+        opens, free = _next_fit(length, seq_len, free)
+        heads.append(p + np.flatnonzero(opens))
+        p += m
+    heads.append(np.array([num_pieces], np.int64))
+    row_ptr = np.concatenate(heads)
+    del heads
+    return {"row_ptr": row_ptr, "piece_start": piece_start, "piece_len": piece_len}
 
 
 def _first_fit(lens: list[int], seq_len: int) -> np.ndarray:
@@ -134,15 +174,17 @@ def pack_documents(doc_offsets: np.ndarray, seq_len: int, strategy: str) -> dict
         rows = int(doc_offsets[-1]) // seq_len
         return {"row_ptr": np.array([0, rows], np.int64), "piece_start": np.zeros(0, np.int64),
                 "piece_len": np.zeros(0, np.int32)}
+    if strategy == "greedy":
+        return _greedy(doc_offsets, seq_len)
     piece_start, piece_len = split_pieces(doc_offsets, seq_len)
-    lens = piece_len.tolist()
-    row_of = _next_fit(lens, seq_len) if strategy == "greedy" else _first_fit(lens, seq_len)
+    row_of = _first_fit(piece_len.tolist(), seq_len)
     order = np.argsort(row_of, kind="stable")  # by row, placement order within a row
+    piece_start, piece_len = piece_start[order], piece_len[order]
+    del order
     num_rows = int(row_of.max()) + 1 if len(row_of) else 0
     row_ptr = np.zeros(num_rows + 1, np.int64)
     np.cumsum(np.bincount(row_of, minlength=num_rows), out=row_ptr[1:])
-    return {"row_ptr": row_ptr, "piece_start": piece_start[order],
-            "piece_len": piece_len[order].astype(np.int32)}
+    return {"row_ptr": row_ptr, "piece_start": piece_start, "piece_len": piece_len.astype(np.int32)}
 
 
 @dataclass(frozen=True)
@@ -230,6 +272,38 @@ def _layout_dir(strategy: str, seq_len: int) -> str:
     return f"{strategy}-{seq_len}"
 
 
+_ARRAYS = ("row_ptr", "piece_start", "piece_len")
+
+
+def _npy(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _file_sha256(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+def _load(root: Any, key: str, sha256: str) -> np.ndarray | None:
+    """One stored layout array, or None if missing or not the recorded bytes. Local files are
+    memory-mapped (a batch reads only the pages of its rows); other stores are read whole."""
+    if root.local:
+        path = root.join(key)
+        if _file_sha256(path) != sha256:
+            return None
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        return arr if arr.size else np.load(path, allow_pickle=False)
+    blob = root.read(key)
+    if blob is None or hashlib.sha256(blob).hexdigest() != sha256:
+        return None
+    return np.load(io.BytesIO(blob), allow_pickle=False)
+
+
 def build_packing(cache: TokenCache, seq_len: int, strategy: str) -> PackedLayout:
     """Derive the layout from a complete cache and store it under ``<cache>/packing/``."""
     from lm_pipeline.data.cache import PACKING_DIR, CacheIncompleteError
@@ -240,9 +314,8 @@ def build_packing(cache: TokenCache, seq_len: int, strategy: str) -> PackedLayou
         raise CacheIncompleteError(f"{cache.location}: packing needs a complete token cache")
     arrays = pack_documents(cache.doc_offsets, seq_len, strategy)
     layout = PackedLayout(strategy, seq_len, cache_identity=cache.identity, **arrays)
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    blob = buf.getvalue()
+    d = _layout_dir(strategy, seq_len)
+    root = cache.root()
     meta = {
         "layout_version": LAYOUT_VERSION,
         "strategy": strategy,
@@ -252,14 +325,42 @@ def build_packing(cache: TokenCache, seq_len: int, strategy: str) -> PackedLayou
         "num_tokens": layout.num_tokens,
         "fill": round(layout.fill, 6),
         "cache_identity": cache.identity,
-        "layout_npz_sha256": hashlib.sha256(blob).hexdigest(),
+        "sha256": {},
     }
-    d = _layout_dir(strategy, seq_len)
-    root = cache.root()
     # Concurrent builders (several hosts) write identical bytes; each file is replaced atomically.
-    root.write_atomic(f"{PACKING_DIR}/{d}/layout.npz", blob)
+    for name in _ARRAYS:
+        key = f"{PACKING_DIR}/{d}/{name}.npy"
+        if root.local:  # straight from the array to the file, no copy in memory
+            from lm_pipeline.atomic import atomic_open
+
+            with atomic_open(root.join(key)) as f:
+                np.save(f, arrays[name], allow_pickle=False)
+            meta["sha256"][name] = _file_sha256(root.join(key))
+        else:
+            blob = _npy(arrays[name])
+            meta["sha256"][name] = hashlib.sha256(blob).hexdigest()
+            root.write_atomic(key, blob)
+            del blob
     root.write_atomic(f"{PACKING_DIR}/{d}/layout.json", dumps_json(meta))  # last: marks completion
+    root.delete(f"{PACKING_DIR}/{d}/layout.npz")  # a version-1 layout's file
+    if root.local:  # the stored arrays, memory-mapped, rather than the derivation's copies
+        stored = _open_stored(cache, seq_len, strategy, meta)
+        if stored is not None:
+            return stored
     return layout
+
+
+def _open_stored(cache: TokenCache, seq_len: int, strategy: str, meta: dict[str, Any]) -> PackedLayout | None:
+    from lm_pipeline.data.cache import PACKING_DIR
+
+    d = _layout_dir(strategy, seq_len)
+    arrays = {}
+    for name in _ARRAYS:
+        arr = _load(cache.root(), f"{PACKING_DIR}/{d}/{name}.npy", meta.get("sha256", {}).get(name, ""))
+        if arr is None:
+            return None
+        arrays[name] = arr
+    return PackedLayout(strategy, seq_len, cache_identity=cache.identity, **arrays)
 
 
 def open_packing(cache: TokenCache, seq_len: int, strategy: str, *, create: bool = True) -> PackedLayout:
@@ -276,11 +377,9 @@ def open_packing(cache: TokenCache, seq_len: int, strategy: str, *, create: bool
         and meta.get("layout_version") == LAYOUT_VERSION
         and meta.get("cache_identity") == cache.identity
     ):
-        blob = root.read(f"{PACKING_DIR}/{d}/layout.npz")
-        if blob is not None and hashlib.sha256(blob).hexdigest() == meta["layout_npz_sha256"]:
-            with np.load(io.BytesIO(blob)) as z:
-                arrays = {k: z[k] for k in ("row_ptr", "piece_start", "piece_len")}
-            return PackedLayout(strategy, seq_len, cache_identity=cache.identity, **arrays)
+        stored = _open_stored(cache, seq_len, strategy, meta)
+        if stored is not None:
+            return stored
     if not create:
         raise FileNotFoundError(f"{cache.location}: no valid packing layout {d}")
     return build_packing(cache, seq_len, strategy)
