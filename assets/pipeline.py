@@ -22,7 +22,8 @@ what to materialize first) and records the current observation of its data; its 
 the experiment, the semantic config and the input fingerprints of *that* artifact.
 
 ``token_cache`` is a graph: a plan op fans out one op per shard group (dynamic outputs; run in
-parallel by the multiprocess executor), a commit op assembles and commits the cache.
+parallel by the multiprocess executor), a commit op assembles and commits the cache; with the
+``tokenizing`` resource in ``ray`` mode the commit op runs the groups as Ray tasks instead.
 ``train_ckpt`` runs through the ``training`` resource -- by default its own process through
 Dagster Pipes; in ``ray`` mode one Ray job on a cluster, N processes of one ``jax.distributed``
 run (docs/cluster.md) -- reports each checkpoint as an observation as it lands, is retried by a
@@ -53,6 +54,7 @@ from lm_pipeline.steps import STAGE_NAMES
 from resources import (
     ArtifactStoreResource,
     JaxRuntimeResource,
+    TokenizingResource,
     TrackingResource,
     TrainingLauncherResource,
     apply_runtime_overrides,
@@ -482,12 +484,17 @@ def _token_cache_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
 
     @dg.op(name=f"{prefix}_plan", ins={n: dg.In(dg.Nothing) for n in ins},
            out=dg.DynamicOut(dict), description="Hit: nothing to do. Miss: one output per shard group.")
-    def token_cache_plan(context: dg.OpExecutionContext, store: ArtifactStoreResource):
+    def token_cache_plan(context: dg.OpExecutionContext, store: ArtifactStoreResource, tokenizing: TokenizingResource):
+        mode = tokenizing.validate()  # a bad setting fails here, in one line, before any work
         pipe = _run_pipe(exp, store)
         _verify_inputs(context, dep, node, pipe, record=False)  # before any shard is tokenized
         hit = pipe.cached("token_cache")
         if hit is not None:
             context.log.info(f"token_cache {hit.fingerprint}: cache hit, no shard group to tokenize")
+            return
+        if mode == "ray":
+            context.log.info(f"token_cache {pipe.address('token_cache').fingerprint}: the shard groups are tokenized "
+                             "as Ray tasks by the commit op")
             return
         groups = pipe.token_cache_groups()
         context.log.info(f"token_cache {pipe.address('token_cache').fingerprint}: {len(groups)} shard groups to tokenize")
@@ -503,13 +510,19 @@ def _token_cache_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
 
     @dg.op(name=f"{prefix}_commit", out=dg.Out(dg.Nothing),
            description="Assemble the groups' parts into the token cache and commit it (a hit if complete).")
-    def token_cache_commit(context: dg.OpExecutionContext, parts: list, store: ArtifactStoreResource):
+    def token_cache_commit(context: dg.OpExecutionContext, parts: list, store: ArtifactStoreResource,
+                           tokenizing: TokenizingResource):
         pipe = _run_pipe(exp, store)
         used = _verify_inputs(context, dep, node, pipe)
-        res = pipe.token_cache_commit(parts)
+        if tokenizing.validate() == "ray":  # one Ray task per shard group, then the same commit
+            res = tokenizing.build_on_ray(pipe, log=context.log.info)
+            tokenized = 0 if res.hit else int(res.manifest.get("parts_built", 0))
+        else:
+            res = pipe.token_cache_commit(parts)
+            tokenized = len(parts)
         _log(context, res)
         meta = {**METADATA["token_cache"](res), **_provenance(dep, node, pipe, used), **_lineage(pipe.store, res)}
-        meta["groups_tokenized_in_this_run"] = dg.MetadataValue.int(len(parts))
+        meta["groups_tokenized_in_this_run"] = dg.MetadataValue.int(tokenized)
         with warnings.catch_warnings():  # Output(data_version=...) is marked beta
             warnings.simplefilter("ignore")
             return dg.Output(None, data_version=dg.DataVersion(res.fingerprint), metadata=meta)
@@ -812,6 +825,7 @@ def default_resources(exp: Experiment | Deployment) -> dict[str, Any]:
     return {
         "store": ArtifactStoreResource(root=root),
         "training": TrainingLauncherResource.from_env(),
+        "tokenizing": TokenizingResource.from_env(),
         "jax_runtime": JaxRuntimeResource(),
         "tracking": TrackingResource(),
     }

@@ -5,6 +5,7 @@ values parsed as YAML); the config is validated before any compute starts.
 
     lm-pipeline train    --config_path configs/tiny_gpt2.yaml [--trainer.num_train_steps 200]
     lm-pipeline cache    --config_path ...            # build the tokenizer and token cache only
+                         [--ray_address ADDR]         # ... with one Ray task per shard group
     lm-pipeline plan     --config_path ...            # hit / miss per stage, and why
     lm-pipeline eval     --config_path ... --checkpoint_path RUN_OR_STEP_DIR [--output_dir DIR]
     lm-pipeline export   --checkpoint_path STEP_DIR --output_dir DIR
@@ -96,6 +97,11 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
         p.add_argument("--vocab_size", type=int, default=None, help="default: data.tokenizer.vocab_size")
         p.add_argument("--budget_gib", type=float, default=None, help="also pick the largest micro-batch that fits")
         p.add_argument("--json", action="store_true")
+    if cmd == "cache":
+        p.add_argument("--ray_address", "--ray-address", dest="ray_address", default=None,
+                       help="tokenize the shard groups as Ray tasks on this cluster (what ray.init takes: auto, "
+                            "<head>:6379, ray://<head>:10001); the store and the data must be reachable from every node")
+        p.add_argument("--ray_cpus_per_task", type=float, default=1.0, help="CPUs each Ray task reserves")
     if cmd == "lineage":
         p.add_argument("artifact", help="a path inside an artifact (its directory, a step-N, a file), "
                        "a fingerprint or a unique prefix of one (6+ hex digits), or STAGE/FINGERPRINT")
@@ -239,12 +245,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cmd in BUILD_COMMANDS or cmd == "plan":
             from lm_pipeline.steps import Pipeline
 
+            on_ray = cmd == "cache" and getattr(args, "ray_address", None)
+            if on_ray:
+                from lm_pipeline.cluster import ClusterError, require_ray
+                from lm_pipeline.cluster.ray_cache import build_token_cache_on_ray, check_ray_address
+
+                try:  # before any work: the address's form and the package
+                    check_ray_address(args.ray_address)
+                    require_ray("tokenizing on Ray")
+                except ClusterError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    return 2
             pipe = Pipeline(cfg)
             pipe.preflight()
             if cmd == "plan":
                 print(pipe.plan_text())
                 return 0
-            res = pipe.build(BUILD_COMMANDS[cmd])
+            if on_ray:
+                try:
+                    res = build_token_cache_on_ray(pipe, address=args.ray_address, num_cpus=args.ray_cpus_per_task)
+                except ClusterError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    return 1
+            else:
+                res = pipe.build(BUILD_COMMANDS[cmd])
             raw = pipe.cached("raw_shards")
             if raw is not None:  # what the data kept and skipped, also when it was built before
                 from lm_pipeline.steps.builders import data_summary

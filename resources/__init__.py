@@ -10,6 +10,8 @@ pipeline checks that the run's fingerprint is unchanged by them.
   ``python -m lm_pipeline.pipes_train``, through Dagster Pipes; the process may preload tcmalloc),
   ``in_process`` (tests, notebooks) or ``ray`` (one Ray job on a cluster running N processes of
   one ``jax.distributed`` run, Pipes messages read from the job's log: docs/cluster.md).
+* :class:`TokenizingResource` -- where ``token_cache``'s shard groups are tokenized: ``local``
+  (default: one Dagster op per group) or ``ray`` (one Ray task per group on a cluster).
 * :class:`JaxRuntimeResource` -- ``JAX_PLATFORMS``, the mesh's model axis, ``jax.distributed``.
 * :class:`TrackingResource` -- Weights & Biases (used directly, not through dagster-wandb) and
   TensorBoard, besides the always-on JSONL metrics log.
@@ -27,6 +29,7 @@ import dagster as dg
 __all__ = [
     "ArtifactStoreResource",
     "JaxRuntimeResource",
+    "TokenizingResource",
     "TrackingResource",
     "TrainingLauncherResource",
     "RAY_ADDRESS_ENV",
@@ -39,6 +42,9 @@ TRAIN_MODE_ENV = "LM_PIPELINE_TRAIN_MODE"
 #: Environment variable with the Ray cluster's job API address for ``ray`` mode (else ``$RAY_ADDRESS``).
 RAY_ADDRESS_ENV = "LM_PIPELINE_RAY_ADDRESS"
 TRAIN_MODES = ("pipes", "in_process", "ray")
+#: Environment variable: when set, ``token_cache`` tokenizes on this Ray cluster (what ``ray.init`` takes).
+TOKENIZE_RAY_ADDRESS_ENV = "LM_PIPELINE_TOKENIZE_RAY_ADDRESS"
+TOKENIZE_MODES = ("local", "ray")
 _RAY_ADDRESS_RE = re.compile(r"^(https?://)?[A-Za-z0-9_.\-]+:\d{1,5}/?$|^(https?://)[A-Za-z0-9_.\-]+/?$")
 
 class ArtifactStoreResource(dg.ConfigurableResource):
@@ -50,6 +56,59 @@ class ArtifactStoreResource(dg.ConfigurableResource):
         from lm_pipeline.store import ArtifactStore
 
         return ArtifactStore(self.root)
+
+
+class TokenizingResource(dg.ConfigurableResource):
+    """Where ``token_cache``'s shard groups are tokenized: ``local`` (one Dagster op per group, the
+    default) or ``ray`` (one Ray task per group, :mod:`lm_pipeline.cluster.ray_cache`; the store
+    and the data must be reachable from every node). The artifact is the same either way."""
+
+    mode: str = "local"  # 'local' | 'ray'
+    ray_address: str | None = None  # what ray.init takes: auto, <head>:6379 (on a node), ray://<head>:10001
+    ray_cpus_per_task: float = 1.0
+    ray_resources_per_task: dict[str, float] = {}
+    ray_max_retries: int = 3  # how often Ray re-runs a task whose worker died
+    ray_runtime_env: dict[str, Any] = {}  # the tasks' Ray runtime_env (env_vars, ...)
+
+    @classmethod
+    def from_env(cls) -> TokenizingResource:
+        addr = os.environ.get(TOKENIZE_RAY_ADDRESS_ENV, "").strip()
+        return cls(mode="ray", ray_address=addr) if addr else cls()
+
+    def validate(self) -> str:
+        """The mode, checked; in ``ray`` mode also the address's form and the package (one line,
+        before any work)."""
+        if self.mode not in TOKENIZE_MODES:
+            raise dg.Failure(f"tokenizing mode must be one of {', '.join(TOKENIZE_MODES)}, got {self.mode!r}",
+                             allow_retries=False)
+        if self.mode == "ray":
+            from lm_pipeline.cluster import ClusterError, require_ray
+            from lm_pipeline.cluster.ray_cache import check_ray_address
+
+            try:
+                check_ray_address(self.ray_address)
+                require_ray("tokenizing on Ray")
+            except ClusterError as e:
+                raise dg.Failure(f"tokenizing resource (mode 'ray'): {e}", allow_retries=False) from None
+        return self.mode
+
+    def build_on_ray(self, pipe, log=None):
+        """``pipe``'s token cache built with one Ray task per shard group (a hit returns at once)."""
+        from lm_pipeline.cluster import ClusterError
+        from lm_pipeline.cluster.ray_cache import build_token_cache_on_ray
+
+        def on_part(out: dict[str, Any]) -> None:
+            if log is not None:
+                part = out["part"]
+                log(f"group {part['group']}: {part.get('num_docs')} docs, {part.get('num_tokens')} tokens "
+                    f"in {part.get('seconds', 0.0):.1f}s on {out['ip']} (pid {out['pid']})")
+
+        try:
+            return build_token_cache_on_ray(pipe, address=self.ray_address, num_cpus=self.ray_cpus_per_task,
+                                            resources=self.ray_resources_per_task, max_retries=self.ray_max_retries,
+                                            runtime_env=self.ray_runtime_env or None, on_part=on_part)
+        except ClusterError as e:
+            raise dg.Failure(f"tokenizing on Ray: {e}") from None
 
 
 class JaxRuntimeResource(dg.ConfigurableResource):
