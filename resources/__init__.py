@@ -64,7 +64,7 @@ class TokenizingResource(dg.ConfigurableResource):
     and the data must be reachable from every node). The artifact is the same either way."""
 
     mode: str = "local"  # 'local' | 'ray'
-    ray_address: str | None = None  # what ray.init takes: auto, <head>:6379 (on a node), ray://<head>:10001
+    ray_address: str | None = None  # what ray.init takes: auto, <head>:6379 (on a node), ray://<head>:10001; None = $RAY_ADDRESS
     ray_cpus_per_task: float = 1.0
     ray_resources_per_task: dict[str, float] = {}
     ray_max_retries: int = 3  # how often Ray re-runs a task whose worker died
@@ -86,6 +86,9 @@ class TokenizingResource(dg.ConfigurableResource):
             from lm_pipeline.cluster.ray_cache import check_ray_address
 
             try:
+                if not (self.ray_address or os.environ.get("RAY_ADDRESS")):
+                    raise ClusterError(f"no cluster address; set ray_address (auto, <head>:6379 or ray://<head>:10001), "
+                                       f"${TOKENIZE_RAY_ADDRESS_ENV} or $RAY_ADDRESS")
                 check_ray_address(self.ray_address)
                 require_ray("tokenizing on Ray")
             except ClusterError as e:

@@ -106,6 +106,13 @@ def test_a_killed_ray_task_is_retried_and_the_cache_is_the_same(ray_cluster, cor
                                               runtime_env={"env_vars": env})
     assert once.exists()  # a task's worker was SIGKILLed after writing its part
     _assert_same_cache(res, ref, groups, placed)
+    # without retries the build fails naming the group, and commits nothing
+    from lm_pipeline.cluster import ClusterError
+
+    env["LM_PIPELINE_FAULTPOINT_ONCE"] = str(tmp / "killed-once-more")
+    with pytest.raises(ClusterError, match=r"^token cache group \w+ failed on the cluster: \w+"):
+        _build_on_ray(ray_cluster, path, tmp / "no-retry", max_retries=0, runtime_env={"env_vars": env})
+    assert not list((tmp / "no-retry" / "token_cache").rglob("manifest.json"))
 
 
 @pytest.mark.slow
@@ -199,6 +206,8 @@ def test_dagster_token_cache_refuses_a_bad_ray_setting_in_one_line_before_any_wo
     assert "\n" not in msg.strip() and "Traceback" not in msg
     assert not (tmp_path / "store").exists() or not list((tmp_path / "store").rglob("manifest.json"))
     assert "mode must be one of local, ray" in _one_line_failure(TokenizingResource(mode="cluster").validate)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert "no cluster address" in _one_line_failure(TokenizingResource(mode="ray").validate)
     assert TokenizingResource().validate() == "local"
     monkeypatch.setitem(sys.modules, "ray", None)
     assert "pip install 'lm-pipeline[cluster]'" in _one_line_failure(TokenizingResource(mode="ray", ray_address="auto").validate)

@@ -132,7 +132,8 @@ def build_token_cache_on_ray(pipe: Pipeline, *, address: str | None = None, num_
                 except Exception as e:
                     for other in pending:
                         ray.cancel(other, force=True)
-                    raise ClusterError(f"token cache group {group.key} failed on the cluster: {_first_line(e)}") from None
+                    cause = getattr(e, "cause", None) or e  # a task's own exception, else Ray's (worker died, ...)
+                    raise ClusterError(f"token cache group {group.key} failed on the cluster: {_first_line(cause)}") from None
                 done[group.key] = out
                 log.info("token_cache %s: group %s built on %s (pid %d): %s docs, %s tokens in %.1fs", fp, group.key,
                          out["ip"], out["pid"], out["part"].get("num_docs"), out["part"].get("num_tokens"),
