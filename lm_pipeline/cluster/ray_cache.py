@@ -57,8 +57,10 @@ def check_ray_address(address: str | None) -> str | None:
 
 
 def _first_line(e: BaseException) -> str:
+    """``Type: first line`` of ``e`` (and the last line when the first only announces what follows)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+    text = f"{lines[0]} {lines[-1]}" if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else "")
+    return f"{type(e).__name__}: {text}"
 
 
 def _build_part(config_yaml: str, store_root: str, expected_fingerprint: str, group: dict[str, Any]) -> dict[str, Any]:
