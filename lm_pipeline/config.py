@@ -46,6 +46,28 @@ class RunConfig:
     export: ExportConfig = field(default_factory=ExportConfig, help="Hugging Face exports (hf_export, hf_save_steps).")
     store: StoreConfig = field(default_factory=StoreConfig, help="The artifact store.", semantic=False)
 
+    @classmethod
+    def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Levanter's top-level ``hf_save_steps``, ``hf_save_path``, ``hf_upload`` go to ``export:``."""
+        moved = {k: data.pop(k) for k in TOP_LEVEL_EXPORT_KEYS if k in data}
+        if moved:
+            export = data.get("export")
+            if export is None:
+                export = {}
+            if not isinstance(export, dict):
+                raise ConfigError("export", "expected a mapping")
+            export = dict(export)
+            for k, v in moved.items():
+                if k in export:
+                    raise ConfigError(k, f"given twice (top-level and as export.{k})")
+                export[k] = v
+            data["export"] = export
+        return data
+
+
+#: Levanter's top-level keys that are fields of ``export:`` here.
+TOP_LEVEL_EXPORT_KEYS = ("hf_save_steps", "hf_save_path", "hf_upload")
+
 
 # --- YAML with !include ---------------------------------------------------------------------
 
@@ -168,9 +190,56 @@ def parse_override_text(text: str | None, *, source: str = "overrides") -> list[
     return parse_overrides(args)
 
 
+def _spellings_to_drop(raw: dict[str, Any], parts: list[str]) -> list[tuple[dict[str, Any], str]]:
+    """(mapping, key) pairs in ``raw`` that spell the same field as the dotted key ``parts``
+    differently (an alias, or Levanter's top-level ``hf_*`` keys), so that an override replaces
+    the file's value whichever spelling either uses (draccus' behaviour)."""
+    import dataclasses
+    import types
+    import typing
+
+    from lm_pipeline.schema import Choice
+
+    out: list[tuple[dict[str, Any], str]] = []
+    if len(parts) == 1 and parts[0] in TOP_LEVEL_EXPORT_KEYS and isinstance(raw.get("export"), dict):
+        if parts[0] in raw["export"]:
+            out.append((raw["export"], parts[0]))
+    if len(parts) == 2 and parts[0] == "export" and parts[1] in TOP_LEVEL_EXPORT_KEYS and parts[1] in raw:
+        out.append((raw, parts[1]))
+    cls: Any = RunConfig
+    node: Any = raw
+    for i, part in enumerate(parts):
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)) or not isinstance(node, dict):
+            break
+        flds = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        alias_of = {a: f.name for f in flds.values() for a in f.metadata.get("aliases", ())}
+        name = alias_of.get(part, part)
+        if name not in flds:
+            break
+        spellings = [name, *flds[name].metadata.get("aliases", ())]
+        if i == len(parts) - 1:
+            out.extend((node, s) for s in spellings if s != part and s in node)
+            break
+        nxt = next((node[s] for s in spellings if s in node), None)
+        tp = typing.get_type_hints(cls)[name]
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            tp = args[0] if len(args) == 1 else None
+        if isinstance(tp, type) and issubclass(tp, Choice):
+            family = tp.family()
+            kind = nxt.get("type", family.default_type) if isinstance(nxt, dict) else family.default_type
+            tp = family.registry.get(kind) if isinstance(kind, str) else None
+        cls, node = tp, nxt
+    return out
+
+
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """Set each dotted key; an override replaces the file's value of that field whichever
+    spelling (name or alias) either uses. Two spellings within one file stay an error."""
     for key, value in overrides:
         parts = key.split(".")
+        for mapping, spelling in _spellings_to_drop(raw, parts):
+            del mapping[spelling]
         node = raw
         for i, part in enumerate(parts[:-1]):
             nxt = node.get(part)

@@ -16,7 +16,9 @@ HEADER = """# Configuration reference
 
 Generated from the config classes by `python -m lm_pipeline.docgen`; a test fails when this
 file is out of date. Every run is one YAML file with these sections; any field can be
-overridden on the command line as `--section.field VALUE` (values are parsed as YAML).
+overridden on the command line as `--section.field VALUE` (values are parsed as YAML); an
+override replaces the file's value whichever spelling (name or alias) either uses, while two
+spellings of one field in one file are an error.
 
 **Fingerprint** says whether a field is *semantic*: part of the fingerprint of the artifacts
 it affects, so changing it re-runs exactly the stages downstream of it. Fields marked "no"

@@ -180,3 +180,88 @@ def test_parsing_imports_no_optimizer_evaluation_or_export_code(modules_after_pa
 
 def test_parsing_imports_no_jax_equinox_or_optax(modules_after_parsing):
     assert [m for m in modules_after_parsing if m.split(".")[0] in ("jax", "equinox", "optax")] == []
+
+
+# --- Levanter's keys as the guides write them (issue #20 item 2) -------------------------------
+
+# The guide's 1.4B GPT-2 block as written, less `data.cache_dir` (refused in one line on purpose).
+SEED_1_4B = """\
+data:
+    train_urls:
+      - "gs://path/to/train.{1..32}.jsonl.gz"
+    validation_urls:
+      - "gs://path/to/valid.{1..4}.jsonl.gz"
+    tokenizer: "gpt2"
+model:
+  type: gpt2
+  hidden_dim: 1536
+  num_heads: 24
+  num_layers: 48
+  seq_len: 1024
+  gradient_checkpointing: true
+  scale_attn_by_inverse_layer_idx: true
+trainer:
+  wandb:
+    project: "levanter"
+    tags: ["gpt2"]
+  mp: p=f32,c=bfloat16
+  num_train_steps: 100000
+  train_batch_size: 512
+  per_device_parallelism: -1
+  per_device_eval_parallelism: 8
+  max_eval_batches: null
+  checkpointer:
+    base_path: "gs://path/to/checkpoints"
+    save_interval: 15m
+    keep:
+      - every: 10000
+optimizer:
+  learning_rate: 1E-4
+  weight_decay: 0.1
+  min_lr_ratio: 0.1
+hf_save_steps: 10000
+hf_save_path: "gs://path/to/hf/checkpoints"
+hf_upload: null
+"""
+
+
+def test_seed_1_4b_block_with_top_level_hf_keys_loads_shrunk_by_overrides(tmp_path):
+    path = tmp_path / "gpt2_1536.yaml"
+    path.write_text(SEED_1_4B)
+    cfg = load_config(path, ["--model.hidden_dim", "64", "--model.num_heads", "4", "--model.num_layers", "2",
+                             "--model.seq_len", "64", "--trainer.batch_size", "4"])
+    assert (cfg.export.hf_save_steps, cfg.export.hf_save_path, cfg.export.hf_upload) == (
+        10000, "gs://path/to/hf/checkpoints", None)
+    assert (cfg.model.hidden_dim, cfg.model.num_layers, cfg.trainer.train_batch_size) == (64, 2, 4)
+    # a set hf_upload is validated as a repo id; the CLI's top-level spelling replaces the file's
+    assert load_config(path, ["--hf_upload", "org/name"]).export.hf_upload == "org/name"
+    with pytest.raises(ConfigError, match="hf_upload.*repo id"):
+        load_config(path, ["--hf_upload", "not a repo"])
+    assert load_config(path, ["--export.hf_save_steps", "7"]).export.hf_save_steps == 7
+
+
+def test_top_level_hf_key_and_export_key_in_one_file_fail(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("hf_save_steps: 3\nexport:\n  hf_save_steps: 4\n")
+    with pytest.raises(ConfigError, match="hf_save_steps.*given twice"):
+        load_config(path)
+    # an override of either spelling replaces the file's value
+    assert load_config(path, ["--hf_save_steps", "5"]).export.hf_save_steps == 5
+
+
+@pytest.mark.parametrize("file_key,cli_key", [("train_batch_size", "batch_size"), ("batch_size", "train_batch_size"),
+                                              ("train_batch_size", "train_batch_size")])
+def test_cli_override_of_aliased_field_replaces_files_value(tmp_path, file_key, cli_key):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"trainer:\n  {file_key}: 8\n  per_device_parallelism: 2\n")
+    cfg = load_config(path, [f"--trainer.{cli_key}", "4", "--trainer.per_device_train_parallelism", "1"])
+    assert cfg.trainer.train_batch_size == 4
+    assert cfg.trainer.per_device_parallelism == 1
+
+
+def test_two_spellings_in_one_file_still_fail(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  train_batch_size: 8\n  batch_size: 4\n")
+    with pytest.raises(ConfigError, match="trainer.batch_size.*given twice") as info:
+        load_config(path)
+    assert "\n" not in str(info.value)

@@ -40,7 +40,7 @@ def parse_size(size: int | str) -> int:
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """Hugging Face exports of the trained model (Levanter's hf_save_* keys)."""
+    """Hugging Face exports of the trained model (Levanter's hf_save_* keys; `hf_save_steps`, `hf_save_path`, `hf_upload` are also accepted at the top level, as Levanter writes them)."""
 
     hf_save_steps: int | None = field(None, help="Export a Hugging Face checkpoint every this many steps (and at the end of training); null = only on request (`lm-pipeline export`).", semantic=False)
     hf_save_path: str | None = field(None, help="Directory under which exports are written as step-<N>/; null = <run_dir>/hf.", semantic=False)
