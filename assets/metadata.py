@@ -112,8 +112,16 @@ def token_cache(res) -> dict[str, Any]:
     return md
 
 
-def _png_md(title: str, data: bytes) -> dg.MetadataValue:
-    b64 = base64.b64encode(data).decode("ascii")
+def _png_md(title: str, png: bytes | str) -> dg.MetadataValue:
+    """A PNG (its bytes, or its path on any store) as a markdown image."""
+    if isinstance(png, str):
+        from lm_pipeline import fs
+
+        data = fs.read_bytes(png)
+        if data is None:
+            raise FileNotFoundError(png)
+        png = data
+    b64 = base64.b64encode(png).decode("ascii")
     return dg.MetadataValue.md(f"![{title}](data:image/png;base64,{b64})")
 
 
