@@ -24,6 +24,7 @@ def smoke():
     return json.loads(last[len("RESULT "):]), out.stdout
 
 
+@pytest.mark.slow  # runs the bench's --smoke (about 30 s)
 def test_smoke_result_compares_ours_with_the_transformers_peer(smoke):
     res, _ = smoke
     assert res["smoke"] is True and res["platform"] == "cpu" and res["precision"] == "float32 (CPU smoke)"
@@ -48,6 +49,7 @@ def test_smoke_result_compares_ours_with_the_transformers_peer(smoke):
     assert res["ratio"] == pytest.approx(ours["tokens_per_s"] / best["tokens_per_s"])
 
 
+@pytest.mark.slow  # runs the bench's --smoke (about 30 s)
 def test_smoke_reports_a_peer_that_is_not_installed(smoke):
     res, stdout = smoke
     pytest.importorskip("torch")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
@@ -32,6 +34,7 @@ def test_memory_per_device_halves_with_two_fsdp_devices():
     assert total2 == (total1 - one["replicated_bytes"]) // 2 + two["replicated_bytes"]
 
 
+@pytest.mark.slow  # builds and loads three small corpora in child processes (about 20 s)
 def test_scaling_large_smoke(tmp_path):
     """bench/scaling_large.py --smoke: a corpus of 1/2/4 MB of JSONL/zstd shards; every size's cache is
     built in a child process whose memory is recorded, read back by the loader, and removed with the corpus."""
