@@ -94,7 +94,7 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
         p.add_argument("--output_dir", required=cmd == "export", default=None)
     if cmd == "estimate":
         p.add_argument("--num_devices", type=int, default=None, help="default: the devices JAX sees")
-        p.add_argument("--vocab_size", type=int, default=None, help="default: data.tokenizer.vocab_size")
+        p.add_argument("--vocab_size", type=int, default=None, help="default: the tokenizer's real vocabulary (data.tokenizer: trained BPE: its vocab_size; a Hugging Face name or directory: read from its tokenizer.json)")
         p.add_argument("--budget_gib", type=float, default=None, help="also pick the largest micro-batch that fits")
         p.add_argument("--json", action="store_true")
     if cmd == "cache":
@@ -119,8 +119,12 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
 
 
 def _resolve_checkpoint(path: str) -> str:
+    """A complete checkpoint at or under ``path``, or a local Hugging Face model directory."""
+    from lm_pipeline.hf.start import is_hf_model_dir
     from lm_pipeline.train.checkpoint import latest_checkpoint
 
+    if is_hf_model_dir(path):
+        return path
     found = latest_checkpoint(path)
     if found is None:
         raise ConfigError("checkpoint_path", f"no complete checkpoint at or under {path}")
@@ -135,9 +139,14 @@ def _eval(cfg, ckpt: str, output_dir: str | None) -> int:
     from lm_pipeline.eval import evaluate_checkpoint, write_report
     from lm_pipeline.steps import Pipeline
 
-    trained = load_config(fs.join(ckpt, "config.yaml"))  # a local dir or a URL
-    tok = TokenizerConfig(kind="hf", name_or_path=fs.join(ckpt, "tokenizer"))
-    cfg = dataclasses.replace(cfg, model=trained.model, data=dataclasses.replace(cfg.data, tokenizer=tok))
+    from lm_pipeline.hf.start import hf_model_config, is_hf_model_dir
+
+    if is_hf_model_dir(ckpt):  # a Hugging Face model directory: its config.json and its tokenizer
+        model_cfg, tok = hf_model_config(ckpt), TokenizerConfig(kind="hf", name_or_path=ckpt)
+    else:
+        model_cfg = load_config(fs.join(ckpt, "config.yaml")).model  # a local dir or a URL
+        tok = TokenizerConfig(kind="hf", name_or_path=fs.join(ckpt, "tokenizer"))
+    cfg = dataclasses.replace(cfg, model=model_cfg, data=dataclasses.replace(cfg.data, tokenizer=tok))
     pipe = Pipeline(cfg)
     cache = pipe.token_cache()
     _, evals, _, _ = pipe.datasets(cache)
@@ -159,12 +168,14 @@ def _estimate(cfg, args: argparse.Namespace) -> int:
 
     from lm_pipeline.estimate import auto_micro_batch, estimate, resolve_auto_parallelism
 
+    from lm_pipeline.estimate.vocab import tokenizer_vocab_size
+
     n = args.num_devices or jax.device_count()
+    vocab = args.vocab_size or tokenizer_vocab_size(cfg.data.tokenizer)  # the real tokenizer's
     if cfg.trainer.per_device_parallelism == "auto":
-        vocab = args.vocab_size or cfg.data.tokenizer.vocab_size
         cfg = resolve_auto_parallelism(cfg, n, vocab)
         print(f"per_device_parallelism: auto -> {cfg.trainer.per_device_parallelism} sequences per device")
-    est = estimate(cfg, num_devices=n, vocab_size=args.vocab_size)
+    est = estimate(cfg, num_devices=n, vocab_size=vocab)
     if args.json:
         print(json.dumps(est.to_dict(), indent=2, default=str))
     else:
@@ -172,7 +183,7 @@ def _estimate(cfg, args: argparse.Namespace) -> int:
     if args.budget_gib:
         budget = int(args.budget_gib * 2**30)
         print(f"fits in {args.budget_gib} GiB: {est.fits(budget)}; largest micro-batch per device that fits: "
-              f"{auto_micro_batch(cfg, n, budget, args.vocab_size)}")
+              f"{auto_micro_batch(cfg, n, budget, vocab)}")
     return 0
 
 

@@ -45,10 +45,23 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig, help="Offline evaluation of checkpoints (eval_report).")
     export: ExportConfig = field(default_factory=ExportConfig, help="Hugging Face exports (hf_export, hf_save_steps).")
     store: StoreConfig = field(default_factory=StoreConfig, help="The artifact store.", semantic=False)
+    initialize_from_hf: str | None = field(None, help="Continued pretraining: start from the weights of this Hugging Face GPT-2 or Llama model (a local directory, or a hub repo 'org/name[@revision]', which needs the network or the local HF cache). Its identity in the run's fingerprint is the sha256 of its safetensors files (a hub repo: its resolved commit), never its path. See continued-pretraining.md.", semantic=False)
+    use_hf_model_config: bool = field(False, help="With initialize_from_hf: the model's shape comes from the directory's config.json (keys written under model: override it), and the tokenizer from the directory unless data.tokenizer is given.", semantic=False)
+
+    def validate(self) -> None:
+        if self.use_hf_model_config and not self.initialize_from_hf:
+            raise ConfigError("use_hf_model_config", "needs initialize_from_hf (the Hugging Face model to read)")
+        if self.initialize_from_hf is not None and not self.initialize_from_hf.strip():
+            raise ConfigError("initialize_from_hf", "must not be empty (or null)")
+        if self.initialize_from_hf and self.trainer.initialize_from:
+            raise ConfigError("initialize_from_hf", "give initialize_from_hf or trainer.initialize_from, not both")
 
     @classmethod
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """Levanter's top-level ``hf_save_steps``, ``hf_save_path``, ``hf_upload`` go to ``export:``."""
+        """Levanter's top-level ``hf_save_steps``, ``hf_save_path``, ``hf_upload`` go to ``export:``;
+        ``use_hf_model_config`` takes the model (and, unless given, the tokenizer) from
+        ``initialize_from_hf``."""
+        data = _hf_model_config_raw(data)
         moved = {k: data.pop(k) for k in TOP_LEVEL_EXPORT_KEYS if k in data}
         if moved:
             export = data.get("export")
@@ -63,6 +76,42 @@ class RunConfig:
                 export[k] = v
             data["export"] = export
         return data
+
+
+def _hf_model_config_raw(data: dict[str, Any]) -> dict[str, Any]:
+    source = data.get("initialize_from_hf")
+    if not (isinstance(source, str) and source.strip() and data.get("use_hf_model_config") is True):
+        return data
+    from lm_pipeline.hf.start import hf_model_config
+
+    hf_cfg = hf_model_config(source)
+    model = data.get("model") or {}
+    if not isinstance(model, dict):
+        raise ConfigError("model", "expected a mapping")
+    if model.get("type", hf_cfg.type) != hf_cfg.type:
+        raise ConfigError("model.type", f"is {model['type']!r} but {source} holds a {hf_cfg.type!r} model")
+    base = to_dict(hf_cfg)
+    for key, value in model.items():  # the shape is the directory's: a key that changes it is refused
+        if key in base and key not in HF_MODEL_CONFIG_OVERRIDABLE and value != base[key]:
+            raise ConfigError(f"model.{key}", f"is {value!r} but {source} has {base[key]!r}; with use_hf_model_config "
+                              f"the shape comes from the directory (drop the key, or set use_hf_model_config: "
+                              f"false); keys that may differ: {', '.join(HF_MODEL_CONFIG_OVERRIDABLE)}")
+    if hf_cfg.type == "gpt2" and "seq_len" in model and model["seq_len"] != base["seq_len"]:
+        raise ConfigError("model.seq_len", f"is {model['seq_len']!r} but the GPT-2 at {source} has "
+                          f"{base['seq_len']} learned positions (n_positions); drop the key")
+    data["model"] = {**base, **model}
+    section = data.get("data")
+    section = {} if section is None else section
+    if isinstance(section, dict) and section.get("tokenizer") is None:
+        repo, _, rev = source.rpartition("@") if "@" in source and not os.path.isdir(source) else (source, "", "")
+        data["data"] = {**section, "tokenizer": {"kind": "hf", "name_or_path": repo, "revision": rev or None}}
+    return data
+
+
+#: Model keys that may differ from the Hugging Face directory's under ``use_hf_model_config``
+#: (they change no weight's shape; a GPT-2's seq_len is its position table and must agree).
+HF_MODEL_CONFIG_OVERRIDABLE = ("seq_len", "gradient_checkpointing", "embed_pdrop", "resid_pdrop", "attn_pdrop",
+                               "upcast_attn", "initializer_range")
 
 
 #: Levanter's top-level keys that are fields of ``export:`` here.

@@ -61,3 +61,49 @@ def test_experiment_by_name_is_the_file_the_deployment_names_so(tmp_path, monkey
     assert "no experiment 'nope'" in err and "default, llama" in err
     assert main(["plan", "--experiment", "llama", "--config_path", "x.yaml"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+# --- estimate: the real tokenizer's vocabulary (issue #20 item 2) ------------------------------
+
+
+def _estimate_json(capsys, path, *extra):
+    import json
+
+    from lm_pipeline.cli import main
+
+    capsys.readouterr()
+    assert main(["estimate", "--config_path", str(path), "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_estimate_uses_the_vocabulary_of_a_local_hf_tokenizer(tmp_path, capsys):
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from helpers.data import tiny_tokenizer
+
+    from lm_pipeline.data.tokenizer import tokenizer_info
+    from lm_pipeline.models import Gpt2Config
+
+    tok = tiny_tokenizer(str(tmp_path / "tok"), vocab_size=300)
+    vocab = tokenizer_info(tok).vocab_size
+    path = tmp_path / "c.yaml"
+    path.write_text(f"data:\n  train_urls: [x.jsonl]\n  tokenizer: {tok}\nmodel:\n  type: gpt2\n  hidden_dim: 64\n"
+                    "  num_heads: 4\n  num_layers: 2\n  seq_len: 32\n")
+    est = _estimate_json(capsys, path)
+    model = Gpt2Config(hidden_dim=64, num_heads=4, num_layers=2, seq_len=32)
+    print(f"estimate with a local tokenizer dir: vocab {est['vocab_size']}, params {est['num_params']}")
+    assert est["vocab_size"] == vocab != 4096
+    assert est["num_params"] == model.num_params(vocab)
+    assert _estimate_json(capsys, path, "--vocab_size", "512")["vocab_size"] == 512  # the flag still wins
+
+
+def test_estimate_offline_with_an_unknown_tokenizer_name_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    from lm_pipeline.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  train_urls: [x.jsonl]\n  tokenizer: no-such-org/no-such-tokenizer\n")
+    capsys.readouterr()
+    assert main(["estimate", "--config_path", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no-such-org/no-such-tokenizer" in err and "--vocab_size" in err, err

@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import pipeline_testing as pt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-GUIDES = ("getting-started.md", "training.md", "own-data.md", "pipeline.md", "troubleshooting.md", "architecture.md")
+GUIDES = ("getting-started.md", "training.md", "own-data.md", "pipeline.md", "troubleshooting.md", "architecture.md",
+          "continued-pretraining.md")
 _BLOCK = re.compile(r"(?:<!--\s*docs-test:\s*(?P<ann>[^>]*?)\s*-->\s*\n)?```bash\n(?P<body>.*?)```", re.S)
 
 

@@ -116,6 +116,10 @@ STAGE_OF: dict[str, str | None] = {
     "eval.report_dir": None,
     **_each(None, "export.", "hf_save_steps hf_save_path hf_upload hf_upload_private"),
     "store.root": None,
+    # continued pretraining: the starting weights enter train_ckpt by content (an input, not the
+    # path); use_hf_model_config acts through the model and tokenizer fields it fills in
+    "initialize_from_hf": "train_ckpt",
+    "use_hf_model_config": None,
 }
 
 #: Fields kept in the schema only to refuse any value but the default with a message saying why.
@@ -159,6 +163,8 @@ SPECIAL: dict[str, tuple[dict[str, Any], Any]] = {
     "trainer.num_epochs": ({"trainer.num_train_steps": None}, 2.0),
     "trainer.train_tokens": ({"trainer.num_train_steps": None}, 4096),
     "trainer.mp": ({}, "p=f32,c=bfloat16"),
+    "initialize_from_hf": ({}, "hf-start"),
+    "use_hf_model_config": ({"initialize_from_hf": "hf-start"}, True),
     "trainer.axis_resources": ({}, {"batch": "data"}),
     "trainer.parameter_axis_resources": ({}, {"embed": "data"}),
     "trainer.compute_axis_resources": ({}, {"batch": "data"}),
@@ -172,6 +178,16 @@ def write_corpus(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for name, texts in CORPUS.items():
         (root / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    # a Hugging Face directory of BASE's model shape (initialize_from_hf): the fingerprint reads
+    # config.json and hashes the safetensors files' bytes, which need not be real weights here
+    from lm_pipeline.models import Gpt2Config
+    from lm_pipeline.models.hf_mapping import hf_config
+
+    hf = root / "hf-start"
+    hf.mkdir(exist_ok=True)
+    shape = {k: v for k, v in BASE["model"].items() if k != "type"}
+    (hf / "config.json").write_text(json.dumps(hf_config(Gpt2Config(**shape), 300)), encoding="utf-8")
+    (hf / "model.safetensors").write_bytes(b"weights")
     return root
 
 

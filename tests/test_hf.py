@@ -257,8 +257,9 @@ def test_config_from_hf_rejects_unsupported():
         config_from_hf(both)
     agree = {**base, "rope_theta": 500000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 500000}}
     assert config_from_hf(agree).rope_theta == 500000.0
-    with pytest.raises(ConfigError, match="n_inner"):
-        config_from_hf({**hf_config(GPT2, 50), "n_inner": 50})
+    # any n_inner: a width that is no multiple of n_embd is a fractional mlp_scale
+    odd = config_from_hf({**hf_config(GPT2, 50), "n_inner": 50})
+    assert odd.mlp_dim == 50 and odd.mlp_scale == 50 / GPT2.hidden_dim
 
 
 def test_export_config_and_sizes():

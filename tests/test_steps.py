@@ -79,6 +79,7 @@ EXPECTED_SEMANTIC = {
         "warmup", "decay", "rewarmup", "cycles", "cycle_length", "skip_bad_steps", "skip_grad_norm_factor",
         "skip_warmup_steps", "skip_ema_decay")},
     "store.root": False,
+    "initialize_from_hf": False, "use_hf_model_config": False,  # the weights enter train_ckpt by content
     # evaluation (eval_report) and export (hf_export) settings
     "eval.batch_size": True, "eval.max_eval_batches": True, "eval.compute_dtype": True,
     "eval.unigram_baseline": True, "eval.report_dir": False,

@@ -37,9 +37,13 @@ class LoadedCheckpoint(NamedTuple):
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> str:
-    """The complete checkpoint dir at ``path`` (a ``step-<N>`` dir) or the latest one under it."""
+    """The complete checkpoint dir at ``path`` (a ``step-<N>`` dir) or the latest one under it;
+    a local Hugging Face model directory (``config.json`` + safetensors) is its own checkpoint."""
+    from lm_pipeline.hf.start import is_hf_model_dir
     from lm_pipeline.train.checkpoint import latest_checkpoint
 
+    if is_hf_model_dir(path):
+        return os.fspath(path)
     found = latest_checkpoint(path)
     if found is None:
         raise FileNotFoundError(
@@ -49,9 +53,12 @@ def resolve_checkpoint(path: str | os.PathLike) -> str:
 
 
 def checkpoint_step(path: str | os.PathLike) -> int:
-    """The step recorded in a checkpoint's completion marker."""
+    """The step recorded in a checkpoint's completion marker (0 for a Hugging Face directory)."""
+    from lm_pipeline.hf.start import is_hf_model_dir
     from lm_pipeline.train.checkpoint import read_metadata
 
+    if is_hf_model_dir(path):
+        return 0
     return int(read_metadata(resolve_checkpoint(path))["step"])
 
 
@@ -66,9 +73,12 @@ def load_model_from_checkpoint(path: str | os.PathLike, *, dtype: Any = None) ->
     Only the ``model`` subtree of the saved train state is read (no optimizer state), onto the
     first local device. Parameters keep their saved dtype unless ``dtype`` is given.
     """
+    from lm_pipeline.hf.start import is_hf_model_dir
     from lm_pipeline.train.checkpoint import load, read_metadata
     from lm_pipeline.train.checkpoint.remote import local_copy
 
+    if is_hf_model_dir(path):
+        return _load_hf_dir(os.fspath(path), dtype)
     step_dir = resolve_checkpoint(path)
     if not fs.is_local(step_dir):  # an object store: read a local copy (downloaded once)
         step_dir = local_copy(step_dir)
@@ -102,3 +112,24 @@ def load_model_from_checkpoint(path: str | os.PathLike, *, dtype: Any = None) ->
     tok_dir = tok if os.path.isfile(os.path.join(tok, "tokenizer.json")) else None
     return LoadedCheckpoint(cfg, model, tok_dir, vocab_size)
 
+
+
+def _load_hf_dir(path: str, dtype: Any) -> LoadedCheckpoint:
+    """A Hugging Face model directory as a checkpoint: its model config (``config.json``), its
+    weights, and its tokenizer when it holds ``tokenizer.json``."""
+    from lm_pipeline.hf.load import load_hf_checkpoint
+
+    model_cfg, model = load_hf_checkpoint(path, dtype=dtype)
+    has_tok = os.path.isfile(os.path.join(path, "tokenizer.json"))
+    overrides: dict[str, Any] = {"model": _model_dict(model_cfg)}
+    if has_tok:
+        overrides["data"] = {"tokenizer": path}
+    cfg = load_config(None, [(k, v) for k, v in overrides.items()])
+    vocab_size = int(model.token_embeddings.shape[0])
+    return LoadedCheckpoint(cfg, model, path if has_tok else None, vocab_size)
+
+
+def _model_dict(model_cfg: Any) -> dict[str, Any]:
+    from lm_pipeline.schema import to_dict
+
+    return to_dict(model_cfg)

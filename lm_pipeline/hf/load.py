@@ -67,9 +67,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> LmConfig:
     kind = hf.get("model_type")
     if kind == "gpt2":
         d = int(hf["n_embd"])
-        inner = hf.get("n_inner") or 4 * d
-        if inner % d:
-            raise ConfigError("n_inner", f"must be a multiple of n_embd ({d}), got {inner}")
+        inner = int(hf.get("n_inner") or 4 * d)
         if not hf.get("scale_attn_weights", True):
             raise ConfigError("scale_attn_weights", "false is not supported")
         if hf.get("add_cross_attention"):
@@ -82,7 +80,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> LmConfig:
             "hidden_dim": d,
             "num_layers": int(hf["n_layer"]),
             "num_heads": int(hf["n_head"]),
-            "mlp_scale": int(inner // d),
+            "mlp_scale": inner // d if inner % d == 0 else inner / d,  # any n_inner: a fractional scale
             "initializer_range": float(hf.get("initializer_range", 0.02)),
             "embed_pdrop": float(hf.get("embd_pdrop", 0.1)),
             "resid_pdrop": float(hf.get("resid_pdrop", 0.1)),

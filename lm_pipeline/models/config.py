@@ -80,7 +80,7 @@ class Gpt2Config(LmConfig):
     hidden_dim: int = field(768, help="Width of the residual stream (HF n_embd).")
     num_layers: int = field(12, help="Number of transformer blocks (HF n_layer).")
     num_heads: int = field(12, help="Attention heads; must divide hidden_dim (HF n_head).")
-    mlp_scale: int = field(4, help="MLP hidden width as a multiple of hidden_dim.")
+    mlp_scale: int | float = field(4, help="MLP hidden width as a multiple of hidden_dim (HF n_inner / n_embd); fractional when mlp_scale * hidden_dim is a whole number (e.g. 1.5 for n_inner 96, n_embd 64).")
     initializer_range: float = field(0.02, help="Std of the normal weight init; residual projections use it / sqrt(2 * num_layers).")
     embed_pdrop: float = field(0.0, help="Dropout on the embeddings (training only).")
     resid_pdrop: float = field(0.0, help="Dropout on each residual branch's output (training only).")
@@ -98,7 +98,7 @@ class Gpt2Config(LmConfig):
 
     @property
     def mlp_dim(self) -> int:
-        return self.mlp_scale * self.hidden_dim
+        return int(round(self.mlp_scale * self.hidden_dim))
 
     def validate(self) -> None:
         require_positive(self, "seq_len", "hidden_dim", "num_layers", "num_heads", "mlp_scale", "layer_norm_epsilon")
@@ -107,6 +107,9 @@ class Gpt2Config(LmConfig):
         require_probability(self, "embed_pdrop", "resid_pdrop", "attn_pdrop")
         require_divisible("hidden_dim", self.hidden_dim, "num_heads", self.num_heads)
         require_activation(self)
+        if isinstance(self.mlp_scale, float) and abs(self.mlp_scale * self.hidden_dim - self.mlp_dim) > 1e-6:
+            raise ConfigError("mlp_scale", f"mlp_scale * hidden_dim must be a whole number (the MLP width), got "
+                              f"{self.mlp_scale} * {self.hidden_dim} = {self.mlp_scale * self.hidden_dim}")
 
     def build(self, vocab_size: int, *, key: jax.Array) -> Gpt2Model:
         from lm_pipeline.models.gpt2 import Gpt2Model  # JAX/Equinox: loaded only to build a model

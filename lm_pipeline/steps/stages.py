@@ -120,6 +120,16 @@ def _train_config(pipe: Pipeline) -> Any:
             "optimizer": semantic_view(cfg.optimizer), "packing": cfg.data.packing}
 
 
+def _train_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
+    """Continued pretraining: the starting Hugging Face weights by content (or hub commit)."""
+    source = pipe.cfg.initialize_from_hf
+    if not source:
+        return {}
+    from lm_pipeline.hf.start import hf_weights_identity
+
+    return {"hf_weights": hf_weights_identity(source)}
+
+
 # -- the table ----------------------------------------------------------------------------------------
 
 # Code versions: tokenizer 2: BPE training cuts words longer than
@@ -134,7 +144,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("token_cache", 1, ("raw_shards", "tokenizer"), lambda pipe: {}, builders.token_cache,
           kind="tensorstore", command=("cache", "build the raw shards, tokenizer and token cache only"),
           description="Every split tokenized into a TensorStore token cache."),
-    Stage("train_ckpt", 1, ("token_cache",), _train_config, builders.train_ckpt, kind="jax",
+    Stage("train_ckpt", 1, ("token_cache",), _train_config, builders.train_ckpt, kind="jax", sources=_train_sources,
           command=("train", "train a model (builds the tokenizer and token cache first if needed)"),
           description="The training run (resumable): its checkpoints, metrics and loss curve."),
     Stage("eval_report", 1, ("train_ckpt", "token_cache"), lambda pipe: semantic_view(pipe.eval_config),

@@ -59,7 +59,12 @@ def run_id_for(cfg: RunConfig, data_fingerprint: str | None = None) -> str:
     if cfg.trainer.id:
         return cfg.trainer.id
     semantic = {"model": cfg.model, "trainer": cfg.trainer, "optimizer": cfg.optimizer}
-    return "run-" + fingerprint("train_ckpt", semantic, TRAIN_CODE_VERSION, {"data": data_fingerprint or ""})
+    inputs = {"data": data_fingerprint or ""}
+    if cfg.initialize_from_hf:  # the starting weights by content (a new input: existing ids unchanged)
+        from lm_pipeline.hf.start import hf_weights_identity
+
+        inputs["hf_weights"] = hf_weights_identity(cfg.initialize_from_hf)
+    return "run-" + fingerprint("train_ckpt", semantic, TRAIN_CODE_VERSION, inputs)
 
 
 def _find_resume_path(cfg: RunConfig, run_dir: str) -> str | None:
@@ -254,8 +259,14 @@ def _restore_or_init(run: _Run) -> tuple[TrainState, str | None]:
             log.info("resumed from %s at step %d", resume_path, int(state.step))
         else:
             state = run.fns.init(jax.random.key_data(jax.random.key(tc.seed)))
-            if tc.initialize_from:
+            from lm_pipeline.hf.start import is_hf_model_dir
+
+            if tc.initialize_from and is_hf_model_dir(tc.initialize_from):  # a Hugging Face directory
+                state = _initialize_from_hf(state, run.cfg, tc.initialize_from)
+            elif tc.initialize_from:
                 state = _initialize_from(state, tc.initialize_from, run.checkpointer, run.fns)
+            elif run.cfg.initialize_from_hf:
+                state = _initialize_from_hf(state, run.cfg, run.cfg.initialize_from_hf)
     return state, resume_path
 
 
@@ -383,7 +394,35 @@ def _initialize_from(state: TrainState, path: str, checkpointer: Checkpointer, f
     """New run, weights from another run's checkpoint; step and optimizer state start fresh."""
     found = latest_checkpoint(path)
     if found is None:
-        raise ConfigError("trainer.initialize_from", f"no complete checkpoint found under {path}")
+        raise ConfigError("trainer.initialize_from", f"no complete checkpoint found under {path} (a step-<N> dir with "
+                          "checkpoint.json, or a Hugging Face model directory with config.json and *.safetensors; "
+                          "for a hub repo use initialize_from_hf)")
     loaded = checkpointer.load(found, fns.abstract_state)
     log.info("initialized weights from %s", found)
     return TrainState(state.step, loaded.model, state.opt_state, state.key)
+
+
+def _initialize_from_hf(state: TrainState, cfg: RunConfig, source: str) -> TrainState:
+    """New run, weights from a Hugging Face model (``initialize_from_hf``), placed with the fresh
+    state's shardings and dtypes; step and optimizer state start fresh."""
+    import equinox as eqx
+
+    from lm_pipeline.hf.load import load_hf_checkpoint
+
+    _, hf_model = load_hf_checkpoint(source, config=cfg.model, use_hf_model_config=False)
+    new_leaves, new_def = jax.tree_util.tree_flatten(eqx.filter(hf_model, eqx.is_array))
+    old_leaves, old_def = jax.tree_util.tree_flatten(eqx.filter(state.model, eqx.is_array))
+    if new_def != old_def:
+        raise ConfigError("initialize_from_hf", f"{source}: the weights do not fit model ({cfg.model.type})")
+    placed = []
+    for new, old in zip(new_leaves, old_leaves, strict=True):
+        if tuple(new.shape) != tuple(old.shape):
+            raise ConfigError(
+                "initialize_from_hf",
+                f"{source}: a weight of shape {tuple(new.shape)} where the model has {tuple(old.shape)} (the "
+                "tokenizer's vocabulary and the model's embedding rows must agree, as must the shape: set "
+                "use_hf_model_config: true, or data.tokenizer to the model's tokenizer)")
+        placed.append(jax.device_put(new.astype(old.dtype), old.sharding))
+    model = eqx.combine(jax.tree_util.tree_unflatten(old_def, placed), state.model)
+    log.info("initialized weights from Hugging Face model %s", source)
+    return TrainState(state.step, model, state.opt_state, state.key)
