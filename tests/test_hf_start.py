@@ -220,3 +220,22 @@ def test_use_hf_model_config_needs_a_source_and_family_must_agree(setup, tmp_pat
     other = "llama" if family == "gpt2" else "gpt2"
     with pytest.raises(ConfigError, match="model.type"):
         load_config(None, {"initialize_from_hf": hf_dir, "use_hf_model_config": True, "model.type": other})
+
+
+def test_trainer_initialize_from_accepts_a_hf_directory(setup, tmp_path):
+    import dataclasses
+
+    from lm_pipeline.steps import Pipeline
+    from lm_pipeline.train.run import _prepare, _restore_or_init
+
+    family, _, hf_dir, cfg_path = setup
+    hf_cfg = load_config(cfg_path)
+    cfg = dataclasses.replace(hf_cfg, initialize_from_hf=None, use_hf_model_config=False,
+                              trainer=dataclasses.replace(hf_cfg.trainer, initialize_from=hf_dir))
+    pipe = Pipeline(hf_cfg)
+    train_ds, evals, _, vocab = pipe.datasets(pipe.token_cache())
+    batch = evals["validation"].get_many(range(2)).tokens
+    state, _ = _restore_or_init(_prepare(cfg, train_ds, vocab, None, "from-dir", str(tmp_path / "run")))
+    ours, _ = our_loss(state.model, batch)
+    ref, _ = torch_loss_and_logits(hf_dir, batch)
+    assert abs(ours - ref) <= 1e-4 * abs(ref)
