@@ -137,9 +137,8 @@ def _eval(cfg, ckpt: str, output_dir: str | None) -> int:
     from lm_pipeline.config import load_config
     from lm_pipeline.data.config import TokenizerConfig
     from lm_pipeline.eval import evaluate_checkpoint, write_report
-    from lm_pipeline.steps import Pipeline
-
     from lm_pipeline.hf.start import hf_model_config, is_hf_model_dir
+    from lm_pipeline.steps import Pipeline
 
     if is_hf_model_dir(ckpt):  # a Hugging Face model directory: its config.json and its tokenizer
         model_cfg, tok = hf_model_config(ckpt), TokenizerConfig(kind="hf", name_or_path=ckpt)
@@ -167,7 +166,6 @@ def _estimate(cfg, args: argparse.Namespace) -> int:
     import jax
 
     from lm_pipeline.estimate import auto_micro_batch, estimate, resolve_auto_parallelism
-
     from lm_pipeline.estimate.vocab import tokenizer_vocab_size
 
     n = args.num_devices or jax.device_count()
