@@ -109,6 +109,7 @@ def test_two_simultaneous_materializations_leave_one_intact_artifact(tmp_path):
         assert cache_digest(art / split) == cache_digest(Path(reference.path) / split)
 
 
+@pytest.mark.slow  # a Dagster run with the multiprocess executor (about 20 s); the in-process fan-out equality is in test_steps.py
 def test_multiprocess_fan_out_builds_the_single_process_cache(tmp_path):
     """``dagster asset materialize`` (multiprocess executor): the shard groups tokenize in separate
     processes, in parallel, and the cache equals the one built in a single process."""
