@@ -130,6 +130,20 @@ def _emit(obj: dict) -> None:
     print(CHILD_PREFIX + json.dumps(obj, default=float), flush=True)
 
 
+def _first_and_timed_steps(step, sync, spec: dict):
+    """(seconds of the first step, the timed steps' seconds), or the row of a run out of memory."""
+    try:
+        t0 = time.perf_counter()
+        step()
+        sync()
+        first_s = time.perf_counter() - t0
+        return first_s, _time_steps(step, spec["steps"], spec["warmup"], sync)
+    except Exception as e:  # noqa: BLE001
+        if _is_oom(e):
+            return {"status": "oom", "error": str(e)[:300]}
+        raise
+
+
 def _time_steps(step, steps: int, warmup: int, sync) -> list[float]:
     for _ in range(warmup):
         step()
@@ -271,16 +285,10 @@ def child_transformers(spec: dict) -> dict:
         opt.step()
         losses.append(total)
 
-    try:
-        t0 = time.perf_counter()
-        step()
-        sync()
-        first_s = time.perf_counter() - t0
-        times = _time_steps(step, spec["steps"], spec["warmup"], sync)
-    except Exception as e:  # noqa: BLE001
-        if _is_oom(e):
-            return {"status": "oom", "error": str(e)[:300]}
-        raise
+    timed = _first_and_timed_steps(step, sync, spec)
+    if isinstance(timed, dict):
+        return timed
+    first_s, times = timed
     step_s = statistics.median(times)
     return {"status": "ok", "version": transformers.__version__, "torch": torch.__version__, "step_s": step_s,
             "step_s_min": min(times), "tokens_per_s": b * t / step_s, "micro_batch": mb,
@@ -412,16 +420,10 @@ def child_torchtitan(spec: dict) -> dict:
         losses.append(total)
         gc_handler.run(it[0])
 
-    try:
-        t0 = time.perf_counter()
-        step()
-        sync()
-        first_s = time.perf_counter() - t0
-        times = _time_steps(step, spec["steps"], spec["warmup"], sync)
-    except Exception as e:  # noqa: BLE001
-        if _is_oom(e):
-            return {"status": "oom", "error": str(e)[:300]}
-        raise
+    timed = _first_and_timed_steps(step, sync, spec)
+    if isinstance(timed, dict):
+        return timed
+    first_s, times = timed
     step_s = statistics.median(times)
     return {"status": "ok", "version": version("torchtitan"), "torch": torch.__version__, "step_s": step_s,
             "step_s_min": min(times), "tokens_per_s": b * t / step_s, "micro_batch": mb,

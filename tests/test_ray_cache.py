@@ -27,7 +27,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 sys.path.insert(0, str(Path(__file__).parent))
 import pipeline_testing as pt  # noqa: E402
-from helpers.ray_cluster import ray_cluster  # noqa: E402, F401  (fixture)
+from helpers.ray_cluster import one_line_failure, ray_cluster  # noqa: E402, F401  (fixture)
 
 from lm_pipeline.config import load_config  # noqa: E402
 from lm_pipeline.steps import Pipeline  # noqa: E402
@@ -157,14 +157,6 @@ def _error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("error:")]
 
 
-def _one_line_failure(fn) -> str:
-    with pytest.raises(dg.Failure) as info:
-        fn()
-    msg = info.value.description
-    assert "\n" not in msg and "Traceback" not in msg, msg
-    return msg
-
-
 def test_cli_refuses_a_bad_ray_address_or_missing_ray_in_one_line_before_any_work(tmp_path, monkeypatch):
     from lm_pipeline.cluster import ClusterError
     from lm_pipeline.cluster.ray_cache import build_token_cache_on_ray, check_ray_address
@@ -205,9 +197,9 @@ def test_dagster_token_cache_refuses_a_bad_ray_setting_in_one_line_before_any_wo
     assert "tokenizing resource (mode 'ray'): ray address 'http://head:8265' is a job API" in msg
     assert "\n" not in msg.strip() and "Traceback" not in msg
     assert not (tmp_path / "store").exists() or not list((tmp_path / "store").rglob("manifest.json"))
-    assert "mode must be one of local, ray" in _one_line_failure(TokenizingResource(mode="cluster").validate)
+    assert "mode must be one of local, ray" in one_line_failure(TokenizingResource(mode="cluster").validate)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert "no cluster address" in _one_line_failure(TokenizingResource(mode="ray").validate)
+    assert "no cluster address" in one_line_failure(TokenizingResource(mode="ray").validate)
     assert TokenizingResource().validate() == "local"
     monkeypatch.setitem(sys.modules, "ray", None)
-    assert "pip install 'lm-pipeline[cluster]'" in _one_line_failure(TokenizingResource(mode="ray", ray_address="auto").validate)
+    assert "pip install 'lm-pipeline[cluster]'" in one_line_failure(TokenizingResource(mode="ray", ray_address="auto").validate)

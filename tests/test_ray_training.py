@@ -43,7 +43,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 sys.path.insert(0, str(Path(__file__).parent))
 import pipeline_testing as pt  # noqa: E402
-from helpers.ray_cluster import ray_cluster  # noqa: E402, F401  (fixture)
+from helpers.ray_cluster import one_line_failure, ray_cluster  # noqa: E402, F401  (fixture)
 from helpers.s3 import REGION, clear_fsspec_cache, s3_server  # noqa: E402, F401  (fixture)
 
 from assets.deployment import Deployment  # noqa: E402
@@ -267,31 +267,23 @@ def test_killed_ray_process_is_retried_and_resumes(runs):
 # ------------------------------------------------------------------------------------------------
 
 
-def _one_line_failure(fn) -> str:
-    with pytest.raises(dg.Failure) as info:
-        fn()
-    msg = info.value.description
-    assert "\n" not in msg and "Traceback" not in msg, msg
-    return msg
-
-
 def test_ray_mode_settings_fail_in_one_line_before_compute(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("LM_PIPELINE_RAY_ADDRESS", raising=False)
-    assert "no cluster address" in _one_line_failure(TrainingLauncherResource(mode="ray").validate_mode)
-    assert "is not a Ray job API address" in _one_line_failure(
+    assert "no cluster address" in one_line_failure(TrainingLauncherResource(mode="ray").validate_mode)
+    assert "is not a Ray job API address" in one_line_failure(
         TrainingLauncherResource(mode="ray", ray_address="ray://head:10001").validate_mode)
-    assert "placement_strategy" in _one_line_failure(
+    assert "placement_strategy" in one_line_failure(
         TrainingLauncherResource(mode="ray", ray_address="http://head:8265", ray_placement_strategy="ANYWHERE").validate_mode)
-    assert "num_processes" in _one_line_failure(
+    assert "num_processes" in one_line_failure(
         TrainingLauncherResource(mode="ray", ray_address="http://head:8265", ray_num_processes=0).validate_mode)
-    assert "must be one of pipes, in_process, ray" in _one_line_failure(TrainingLauncherResource(mode="rya").validate_mode)
+    assert "must be one of pipes, in_process, ray" in one_line_failure(TrainingLauncherResource(mode="rya").validate_mode)
     # nothing listens there: the job API is unreachable, said at once
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     t0 = time.perf_counter()
-    msg = _one_line_failure(TrainingLauncherResource(mode="ray", ray_address=f"http://127.0.0.1:{port}").ray_job_client)
+    msg = one_line_failure(TrainingLauncherResource(mode="ray", ray_address=f"http://127.0.0.1:{port}").ray_job_client)
     assert msg.startswith(f"cannot reach the Ray cluster's job API at http://127.0.0.1:{port}") and time.perf_counter() - t0 < 30
     # through the asset: the step fails on the setting before reading anything (no upstream built)
     exp = load_experiment(pt.write_config(tmp_path))
@@ -304,7 +296,7 @@ def test_ray_mode_settings_fail_in_one_line_before_compute(tmp_path, monkeypatch
     assert not (tmp_path / "store" / "train_ckpt").exists()
     # ray not installed: how to install it
     monkeypatch.setitem(sys.modules, "ray", None)
-    msg = _one_line_failure(TrainingLauncherResource(mode="ray", ray_address="http://head:8265").validate_mode)
+    msg = one_line_failure(TrainingLauncherResource(mode="ray", ray_address="http://head:8265").validate_mode)
     assert "pip install 'lm-pipeline[cluster]'" in msg
     # the core side alone (no Dagster): importable without Ray, one line when used
     from lm_pipeline.cluster import ClusterError, ray_train

@@ -135,3 +135,14 @@ def ray_cluster() -> Iterator[RayCluster]:
     finally:
         stop(cluster)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def one_line_failure(fn) -> str:
+    """The description of the ``dagster.Failure`` that ``fn()`` raises, checked to be one line."""
+    import dagster as dg
+
+    with pytest.raises(dg.Failure) as info:
+        fn()
+    msg = info.value.description
+    assert "\n" not in msg and "Traceback" not in msg, msg
+    return msg
