@@ -58,9 +58,24 @@ class RunConfig:
 
     @classmethod
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """Levanter's top-level ``hf_save_steps``, ``hf_save_path``, ``hf_upload`` go to ``export:``;
-        ``use_hf_model_config`` takes the model (and, unless given, the tokenizer) from
-        ``initialize_from_hf``."""
+        """Levanter's top-level ``hf_save_steps``, ``hf_save_path``, ``hf_upload`` go to ``export:``
+        and a top-level ``checkpointer:`` (as its configuration guide writes the block) to
+        ``trainer.checkpointer``; ``use_hf_model_config`` takes the model (and, unless given, the
+        tokenizer) from ``initialize_from_hf``."""
+        model = data.get("model")
+        kind = model.get("type") if isinstance(model, dict) else None
+        if isinstance(kind, str) and kind not in LmConfig.registry:  # before anything reads a hub
+            raise ConfigError("model.type", f"{kind!r} is not supported; supported model families: "
+                              f"{', '.join(sorted(LmConfig.registry))} (a Hugging Face GPT-2 or Llama "
+                              "directory works with initialize_from_hf)")
+        if "checkpointer" in data:
+            trainer = data.get("trainer")
+            trainer = {} if trainer is None else trainer
+            if not isinstance(trainer, dict):
+                raise ConfigError("trainer", "expected a mapping")
+            if "checkpointer" in trainer:
+                raise ConfigError("checkpointer", "given twice (top-level and as trainer.checkpointer)")
+            data["trainer"] = {**trainer, "checkpointer": data.pop("checkpointer")}
         data = _hf_model_config_raw(data)
         moved = {k: data.pop(k) for k in TOP_LEVEL_EXPORT_KEYS if k in data}
         if moved:

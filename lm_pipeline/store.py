@@ -8,6 +8,11 @@ dies), so two concurrent writers never corrupt an artifact: the second waits, th
 manifest and does nothing. Object stores (``s3://``, ``gs://``, ...) have no locks: there the
 manifest-last rule alone keeps a partial artifact from ever looking complete, and a second
 concurrent writer of one address repeats the work (one builder per address is the rule).
+
+A stage may live elsewhere (``stage_roots``: ``data.cache_dir`` puts token caches at
+``<cache_dir>/<fingerprint>/``). The store then keeps a pointer at its usual address,
+``<root>/<stage>/<fingerprint>/location.json``, written after the artifact's own manifest, so a
+reader that knows only ``root`` (lineage, another experiment) still finds the artifact.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from lm_pipeline.faultpoints import faultpoint
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+LOCATION = "location.json"
 
 
 class StorageError(RuntimeError):
@@ -89,20 +95,49 @@ class Artifact:
 
 
 class ArtifactStore:
-    """``<root>/<stage>/<fingerprint>/`` directories with manifests, on any fsspec root."""
+    """``<root>/<stage>/<fingerprint>/`` directories with manifests, on any fsspec root;
+    ``stage_roots`` puts a stage's artifacts at ``<stage_root>/<fingerprint>/`` instead."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, stage_roots: dict[str, str] | None = None):
         self.root = root.rstrip("/")
+        self.stage_roots = {k: v.rstrip("/") for k, v in (stage_roots or {}).items() if v}
+
+    def with_stage_root(self, stage: str, root: str | None) -> ArtifactStore:
+        """This store with ``stage`` at ``root`` (None: where it was)."""
+        if not root:
+            return self
+        return ArtifactStore(self.root, {**self.stage_roots, stage: root})
+
+    def stage_dir(self, stage: str) -> str:
+        """The directory holding ``stage``'s artifacts."""
+        return self.stage_roots.get(stage) or f"{self.root}/{stage}"
 
     def artifact(self, stage: str, fp: str) -> Artifact:
         for part in (stage, fp):
             if not part or "/" in part or part in (".", ".."):
                 raise ValueError(f"invalid artifact address component {part!r}")
-        return Artifact(stage, fp, f"{self.root}/{stage}/{fp}")
+        return Artifact(stage, fp, f"{self.stage_dir(stage)}/{fp}")
+
+    def _pointer_path(self, stage: str, fp: str) -> str:
+        return f"{self.root}/{stage}/{fp}/{LOCATION}"
+
+    def locate(self, stage: str, fp: str) -> Artifact:
+        """Where the artifact is: its address here, or where a pointer left by a store that kept
+        this stage elsewhere says (the address here when neither has it)."""
+        art = self.artifact(stage, fp)
+        if stage in self.stage_roots or fs.exists(art.manifest_path):
+            return art
+        try:
+            text = fs.read_text(self._pointer_path(stage, fp))
+            where = json.loads(text)["path"] if text else None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            log.warning("%s: unreadable pointer (%s); ignoring it", self._pointer_path(stage, fp), e)
+            where = None
+        return Artifact(stage, fp, where) if isinstance(where, str) and where else art
 
     def manifest(self, stage: str, fp: str) -> dict[str, Any] | None:
-        """The manifest of a complete artifact, or None."""
-        art = self.artifact(stage, fp)
+        """The manifest of a complete artifact (followed through a pointer), or None."""
+        art = self.locate(stage, fp)
         try:
             text = fs.read_text(art.manifest_path)
             if text is None:
@@ -125,14 +160,15 @@ class ArtifactStore:
 
     def complete(self, stage: str) -> list[dict[str, Any]]:
         """Manifests of all complete artifacts of a stage, oldest first."""
-        out = []
-        for fp, _is_dir in fs.listdir(f"{self.root}/{stage}"):
-            if fp.startswith("."):  # locks and fan-out scratch space
-                continue
-            m = self.manifest(stage, fp)
-            if m is not None:
-                out.append(m)
-        return sorted(out, key=lambda m: m.get("created", ""))
+        out = {}
+        for where in dict.fromkeys((f"{self.root}/{stage}", self.stage_dir(stage))):
+            for fp, _is_dir in fs.listdir(where):
+                if fp.startswith(".") or fp in out:  # locks and fan-out scratch space
+                    continue
+                m = self.manifest(stage, fp)
+                if m is not None:
+                    out[fp] = m
+        return sorted(out.values(), key=lambda m: m.get("created", ""))
 
     def commit(self, art: Artifact, info: dict[str, Any]) -> dict[str, Any]:
         """Write the manifest (last, atomically): the artifact is now complete."""
@@ -151,6 +187,8 @@ class ArtifactStore:
         faultpoint(f"{art.stage}.before_manifest")  # the payload is written, the marker not yet
         atomic_write_text(art.manifest_path, text, fault=f"{art.stage}.manifest_tmp_written")
         remove_stale_temps(art.manifest_path)  # temporary manifests of writers killed mid-write
+        if art.path != f"{self.root}/{art.stage}/{art.fingerprint}":  # kept elsewhere: leave a pointer
+            atomic_write_text(self._pointer_path(art.stage, art.fingerprint), json.dumps({"path": art.path}))
         return manifest
 
     @contextlib.contextmanager
@@ -159,7 +197,7 @@ class ArtifactStore:
         module docstring); ``timeout`` in seconds, None waits forever."""
         with contextlib.ExitStack() as stack:
             try:
-                stack.enter_context(fs.exclusive_lock(f"{self.root}/{art.stage}/.{art.fingerprint}.lock", timeout))
+                stack.enter_context(fs.exclusive_lock(f"{self.stage_dir(art.stage)}/.{art.fingerprint}.lock", timeout))
             except TimeoutError:
                 raise TimeoutError(f"another process is building {art.path}") from None
             yield

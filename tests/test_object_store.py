@@ -123,9 +123,43 @@ def test_cli_prints_a_url_problem_in_one_line_and_exits_2(s3_bucket, tmp_path): 
     assert not (tmp_path / "s3:").exists()
 
 
-def test_data_cache_dir_is_refused_in_one_line(tmp_path):
-    with pytest.raises(ConfigError, match=r"data\.cache_dir.*store\.root"):
-        load_config(pt.write_config(tmp_path, data={"cache_dir": str(tmp_path / "elsewhere")}))
+def test_data_cache_dir_holds_the_token_cache_and_the_store_points_to_it(s3_bucket, tmp_path, monkeypatch):  # noqa: F811
+    """``data.cache_dir`` (here a bucket prefix, the store local): the cache's arrays are written
+    there, equal to those of a store without cache_dir; the store keeps only a pointer, which a
+    pipeline without cache_dir and the lineage reader follow (a hit, no second build)."""
+    from lm_pipeline.data.cache import open_cache
+    from lm_pipeline.steps import lineage as lin
+
+    monkeypatch.chdir(tmp_path)
+    shared = s3_bucket.url("caches")
+    with pytest.raises(ConfigError, match=r"data\.cache_dir"):
+        load_config(pt.write_config(tmp_path, data={"cache_dir": "  "}))
+    moved = _pipe(tmp_path, str(tmp_path / "store"), data={"cache_dir": shared})
+    res = moved.token_cache()
+    fp = res.fingerprint
+    assert not res.hit and res.path == f"{shared}/{fp}"
+    objects = _objects(s3_bucket)
+    assert f"caches/{fp}/manifest.json" in objects and any(k.startswith(f"caches/{fp}/train/") for k in objects)
+    pointer = tmp_path / "store" / "token_cache" / fp
+    assert sorted(p.name for p in pointer.iterdir()) == ["location.json"]
+    assert json.loads((pointer / "location.json").read_text()) == {"path": f"{shared}/{fp}"}
+    # The reference: the same stages in another store, cache in the store (no cache_dir).
+    ref = _pipe(tmp_path, str(tmp_path / "ref-store")).token_cache()
+    assert ref.fingerprint == fp and ref.path == str(tmp_path / "ref-store" / "token_cache" / fp)
+    for split in ("train", "validation"):
+        a, b = open_cache(f"{ref.path}/{split}"), open_cache(f"{res.path}/{split}")
+        for name in ("tokens", "doc_offsets"):
+            x, y = (np.asarray(c.array(name).read().result()) for c in (a, b))
+            assert x.size > 0 and np.array_equal(x, y), (split, name)
+    # The same store without cache_dir: a hit through the pointer, nothing written to the bucket.
+    plain = _pipe(tmp_path, str(tmp_path / "store"))
+    again = plain.token_cache()
+    assert again.hit and again.path == f"{shared}/{fp}"
+    assert _objects(s3_bucket) == objects
+    steps = {s["stage"]: s for s in lin.lineage(str(tmp_path / "store"), "token_cache", fp)}
+    assert steps["token_cache"]["status"] == "complete" and steps["token_cache"]["path"] == f"{shared}/{fp}"
+    assert steps["tokenizer"]["status"] == steps["raw_shards"]["status"] == "complete"
+    _no_local_scheme_dirs(tmp_path)
 
 
 def test_tensorstore_spec_takes_the_endpoint_from_the_standard_variables(monkeypatch):

@@ -61,14 +61,14 @@ class DataConfig:
     validation_urls: tuple[str, ...] = field((), help="Validation shards, evaluated as the set named 'validation'.")
     validation: dict[str, tuple[str, ...]] = field(default_factory=dict, help="Named validation sets: {name: [urls]}, each evaluated and reported on its own.")
     format: Literal["auto", "jsonl", "json", "text", "parquet"] = field("auto", help="Shard format; 'auto' picks it from the file extension (.jsonl/.ndjson, .json, .txt/.md, .parquet; then .gz/.zst).")
-    text_key: str = field("text", help="Key of the text field in JSON/JSONL/Parquet/Hugging Face records.")
+    text_key: str = field("text", help="Key of the text field in JSON/JSONL/Parquet/Hugging Face records.", aliases=("text_column",))
     json_records_key: str | None = field(None, help="JSON files holding an object: the key of its list of records (null = the object's only list, or the object itself as one record).")
     text_unit: Literal["file", "paragraph", "line"] = field("file", help="Plain-text files: one document per file, per blank-line-separated paragraph, or per non-blank line.")
     # --- Hugging Face datasets -------------------------------------------------------------
-    hf_id: str | None = field(None, help="Hugging Face dataset: a hub id, a local `save_to_disk` directory, or a builder name ('json', 'parquet', 'csv', 'text') with hf_data_files.", aliases=("id",))
-    hf_name: str | None = field(None, help="Hugging Face dataset configuration (subset) name.", aliases=("name",))
-    hf_split: str = field("train", help="Hugging Face split used for training.")
-    hf_validation_split: str | None = field(None, help="Hugging Face split evaluated as the set named 'validation' (e.g. 'validation' or 'test').")
+    hf_id: str | None = field(None, help="Hugging Face dataset: a hub id, a local `save_to_disk` directory, or a builder name ('json', 'parquet', 'csv', 'text') with hf_data_files.", aliases=("id", "dataset_name"))
+    hf_name: str | None = field(None, help="Hugging Face dataset configuration (subset) name.", aliases=("name", "dataset_config"))
+    hf_split: str = field("train", help="Hugging Face split used for training.", aliases=("dataset_split",))
+    hf_validation_split: str | None = field(None, help="Hugging Face split evaluated as the set named 'validation' (e.g. 'validation' or 'test').", aliases=("validation_split",))
     hf_revision: str | None = field(None, help="Hub revision (branch, tag or commit sha) of hf_id; a commit sha pins the data.")
     hf_data_files: tuple[str, ...] = field((), help="Data files for a builder hf_id ('json', 'parquet', ...).")
     hf_streaming: bool = field(False, help="Stream the Hugging Face dataset instead of downloading and preparing it (one shard per underlying file).", aliases=("stream",))
@@ -82,14 +82,33 @@ class DataConfig:
     on_invalid: Literal["fail", "skip"] = field("fail", help="Validation policy: stop at the first invalid record, or skip it and count it per reason.")
     # --- downstream ------------------------------------------------------------------------
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig, help="The tokenizer to train or load.")
-    packing: Literal["concat", "greedy", "first_fit"] = field("concat", help="How documents become seq_len rows: concatenate-and-chunk, or whole documents packed greedily / first-fit with segment ids.")
-    cache_dir: str | None = field(None, help="Not supported (must stay null): the token cache lives in the store, at <store.root>/token_cache/<fingerprint>/; to put it elsewhere, point store.root there.", semantic=False)
-    num_workers: int = field(0, help="Tokenizer worker processes; 0 means all cores.", semantic=False)
+    packing: Literal["concat", "greedy", "first_fit"] = field("concat", help="How documents become seq_len rows: concatenate-and-chunk, or whole documents packed greedily / first-fit with segment ids. LLM-Trainer's `pack_sequences: true` means greedy (with `packing_strategy` choosing greedy or first_fit).", aliases=("packing_strategy",))
+    shuffle: Literal["epoch", "era"] = field("epoch", help="Training row order. 'epoch': a seeded permutation of all rows, new every epoch (needs the complete token cache). 'era': Levanter's era shuffling: the first epoch is shuffled within consecutive eras of era_length rows, so step k needs only the cache's first eras and training can start while the cache is still being built (`lm-pipeline train` then builds it in the background, packing: concat); later epochs are shuffled whole.")
+    era_length: int = field(4096, help="shuffle: era: rows per era (the first epoch's shuffling window; the last era holds the rows left over). Step k needs the first ceil((k + 1) * train_batch_size / era_length) eras.")
+    cache_dir: str | None = field(None, help="Where token caches are written and read: <cache_dir>/<fingerprint>/ (a local folder or an fsspec URL) instead of <store.root>/token_cache/<fingerprint>/. The store keeps a pointer, so lineage and staleness work the same; several experiments may share one cache_dir.", semantic=False)
+    num_workers: int = field(0, help="Tokenizer worker processes; 0 means all cores.", semantic=False, aliases=("preprocessing_num_workers",))
     shard_group_size: int = field(8, help="Shards per cache-building group (the unit of resumption and fan-out).", semantic=False)
 
     @classmethod
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """Levanter shorthand: ``tokenizer: gpt2`` means a Hugging Face tokenizer by name/path."""
+        """Levanter shorthand: ``tokenizer: gpt2`` means a Hugging Face tokenizer by name/path;
+        ``train_urls:``/``validation_urls:`` left empty (null) mean none; LLM-Trainer's
+        ``pack_sequences: true`` means whole documents packed (``packing: greedy`` unless
+        ``packing``/``packing_strategy`` says otherwise)."""
+        for key in ("train_urls", "validation_urls"):
+            if key in data and data[key] is None:
+                del data[key]
+        if "pack_sequences" in data:
+            pack = data.pop("pack_sequences")
+            if pack is True:
+                if "packing" not in data and "packing_strategy" not in data:
+                    data["packing"] = "greedy"
+            elif pack is False:
+                raise ConfigError("pack_sequences", "false (one padded document per row) is not supported: every "
+                                  "row is full here; use packing: greedy or first_fit (whole documents, segment ids "
+                                  "keep them apart) or concat (concatenate and chunk)")
+            else:
+                raise ConfigError("pack_sequences", f"expected true or false, got {pack!r}")
         tok = data.get("tokenizer")
         if isinstance(tok, str):
             data["tokenizer"] = {"kind": "hf", "name_or_path": tok}
@@ -113,16 +132,16 @@ class DataConfig:
         return [n for n, on in (("train_urls", bool(self.train_urls)), ("hf_id", self.hf_id is not None), ("builtin", self.builtin is not None)) if on]
 
     def validate(self) -> None:
-        if self.cache_dir is not None:
-            raise ConfigError("cache_dir", "is not supported: the token cache lives in the store at "
-                              "<store.root>/token_cache/<fingerprint>/ (local or s3://, gs://, ...); remove "
-                              "data.cache_dir and point store.root where the cache should be")
+        if self.cache_dir is not None and not self.cache_dir.strip():
+            raise ConfigError("cache_dir", "must not be empty (null = <store.root>/token_cache)")
         if self.min_length < 0:
             raise ConfigError("min_length", "must be >= 0")
         if self.num_workers < 0:
             raise ConfigError("num_workers", "must be >= 0 (0 = all cores)")
         if self.shard_group_size < 1:
             raise ConfigError("shard_group_size", "must be >= 1")
+        if self.era_length < 1:
+            raise ConfigError("era_length", "must be >= 1")
         if not self.text_key:
             raise ConfigError("text_key", "must not be empty")
         sources = self.train_sources()

@@ -56,7 +56,7 @@ def groups(pipe: Pipeline) -> list[CacheGroup]:
 
 
 def _parts_root(pipe: Pipeline) -> str:
-    return f"{pipe.store.root}/token_cache/.parts-{pipe.address('token_cache').fingerprint}"
+    return f"{pipe.store.stage_dir('token_cache')}/.parts-{pipe.address('token_cache').fingerprint}"
 
 
 def _group_shards(pipe: Pipeline, group: CacheGroup) -> list:

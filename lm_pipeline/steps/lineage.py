@@ -73,7 +73,7 @@ def _how_to_build(stage: str) -> str:
 
 
 def _incomplete(store: ArtifactStore, stage: str, fp: str) -> IncompleteArtifact:
-    path = store.artifact(stage, fp).path
+    path = store.locate(stage, fp).path
     return IncompleteArtifact(
         f"{path} is incomplete: it has no {MANIFEST} (it is being built now, or its build was interrupted); "
         f"wait for the build to finish, or re-run what builds it ({_how_to_build(stage)}), then ask again")
@@ -202,7 +202,7 @@ def _shards(manifest: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _step(store: ArtifactStore, stage: str, fp: str, stages: Sequence[str]) -> dict[str, Any]:
-    art = store.artifact(stage, fp)
+    art = store.locate(stage, fp)
     m = store.manifest(stage, fp)
     step: dict[str, Any] = {"stage": stage, "fingerprint": fp, "path": art.path}
     if m is None:

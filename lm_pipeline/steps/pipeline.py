@@ -97,7 +97,8 @@ class Pipeline:
     def __init__(self, cfg: RunConfig, store: ArtifactStore | None = None, *, progress: bool = True,
                  eval_config: Any = None, export_config: Any = None, stages: Sequence[Stage] = STAGES):
         self.cfg = cfg
-        self.store = store or ArtifactStore(cfg.store.root)
+        # data.cache_dir keeps token caches outside the store (the store keeps pointers to them)
+        self.store = (store or ArtifactStore(cfg.store.root)).with_stage_root("token_cache", cfg.data.cache_dir)
         self.progress = progress
         self._eval_config = eval_config
         self._export_config = export_config
@@ -275,7 +276,7 @@ class Pipeline:
         manifest = self.store.manifest(name, addr.fingerprint)
         if manifest is None:
             return None
-        path = self.store.artifact(name, addr.fingerprint).path
+        path = self.store.locate(name, addr.fingerprint).path  # data.cache_dir: perhaps elsewhere
         return StageResult(name, addr.fingerprint, path, True, manifest, time.perf_counter() - t0)
 
     def run(self, name: str, write: Writer, step: int | None = None, *, staged: bool = False) -> StageResult:
@@ -292,14 +293,16 @@ class Pipeline:
         t0 = time.perf_counter()
         manifest = self.store.manifest(name, addr.fingerprint)
         if manifest is not None:
-            log.info("%s %s: cache hit (%s)", name, addr.fingerprint, art.path)
-            return StageResult(name, addr.fingerprint, art.path, True, manifest, time.perf_counter() - t0)
+            path = self.store.locate(name, addr.fingerprint).path  # data.cache_dir: perhaps elsewhere
+            log.info("%s %s: cache hit (%s)", name, addr.fingerprint, path)
+            return StageResult(name, addr.fingerprint, path, True, manifest, time.perf_counter() - t0)
         follower = name in DISTRIBUTED_STAGES and process_index(self.cfg) > 0
         try:
             with contextlib.nullcontext() if follower else self.store.lock(art):
                 manifest = self.store.manifest(name, addr.fingerprint)  # another writer may have finished
                 if manifest is not None:
-                    return StageResult(name, addr.fingerprint, art.path, True, manifest, time.perf_counter() - t0)
+                    return StageResult(name, addr.fingerprint, self.store.locate(name, addr.fingerprint).path, True,
+                                       manifest, time.perf_counter() - t0)
                 log.info("%s %s: building at %s%s", name, addr.fingerprint, art.path,
                          f" (process {process_index(self.cfg)}: process 0 commits it)" if follower else "")
                 summary, extra = _staged(write, art.path) if staged else write(art.path)
