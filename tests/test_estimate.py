@@ -228,3 +228,32 @@ def test_accelerator_model_casts_per_layer_and_fuses_the_head_cotangent():
     fsdp = estimate(cfg_of(GPT2, trainer__mp="p=f32,c=bfloat16", model__num_layers=4), num_devices=4,
                     vocab_size=VOCAB, platform="gpu", segments=False)
     assert fsdp.compute_copy > 0  # the gathered (unsharded over data) weights are counted
+
+
+def test_gpt2_small_config_and_its_comment_agree_with_the_estimate(tmp_path):
+    """configs/gpt2_small.yaml says "124M parameters"; with GPT-2's 50,257-token vocabulary (a local
+    tokenizer of that size: no download) the estimate counts GPT-2 small's parameters, checked
+    against the architecture's closed form."""
+    import re
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models
+
+    from lm_pipeline.estimate.vocab import tokenizer_vocab_size
+
+    vocab = {f"t{i}": i for i in range(50256)} | {"<|endoftext|>": 50256}
+    tok_dir = tmp_path / "gpt2-sized-tokenizer"
+    tok_dir.mkdir()
+    Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>")).save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    path = Path(__file__).resolve().parents[1] / "configs" / "gpt2_small.yaml"
+    said = re.search(r"\((\d+)M parameters\)", path.read_text().splitlines()[0])
+    assert said, "the first line of configs/gpt2_small.yaml states its parameter count"
+    cfg = load_config(path, {"data.tokenizer": str(tok_dir)})
+    v = tokenizer_vocab_size(cfg.data.tokenizer)
+    assert v == 50257
+    e = estimate(cfg, num_devices=1, vocab_size=v, platform="cpu")
+    d, n_layers, positions = cfg.model.hidden_dim, cfg.model.num_layers, cfg.model.seq_len
+    closed_form = v * d + positions * d + n_layers * (12 * d * d + 13 * d) + 2 * d  # tied head
+    assert e.num_params == closed_form == 124_439_808
+    assert round(e.num_params / 1e6) == int(said.group(1))
