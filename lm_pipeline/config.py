@@ -64,10 +64,11 @@ class RunConfig:
         tokenizer) from ``initialize_from_hf``."""
         model = data.get("model")
         kind = model.get("type") if isinstance(model, dict) else None
-        if isinstance(kind, str) and kind not in LmConfig.registry:  # before anything reads a hub
+        if data.get("initialize_from_hf") and isinstance(kind, str) and kind not in LmConfig.registry:
+            # refused before anything reads the hub (otherwise the schema says the same below)
             raise ConfigError("model.type", f"{kind!r} is not supported; supported model families: "
-                              f"{', '.join(sorted(LmConfig.registry))} (a Hugging Face GPT-2 or Llama "
-                              "directory works with initialize_from_hf)")
+                              f"{', '.join(sorted(LmConfig.registry))} (initialize_from_hf takes a Hugging Face "
+                              "GPT-2 or Llama)")
         if "checkpointer" in data:
             trainer = data.get("trainer")
             trainer = {} if trainer is None else trainer
