@@ -4,11 +4,28 @@ A :class:`SequenceDataset` is any indexable collection of packed training sequen
 cache's packed layout, or an in-memory array in tests). :class:`StepBatchSource` turns one into
 batches: the batch for step ``k`` depends only on (dataset, seed, k), so a resumed run sees the
 same batches as an uninterrupted one and no loader state is saved in checkpoints.
+
+Two row orders (``data.shuffle``):
+
+``epoch``
+    Epoch ``e`` visits all ``N`` rows in a seeded permutation of ``range(N)``, new every epoch.
+    Step 0 already needs ``N``: the data must be complete.
+``era`` (Levanter's era shuffling)
+    The first epoch is cut into eras of ``K`` (``era_length``) consecutive rows; era ``b`` holds
+    rows ``[b*K, min((b+1)*K, N))`` and is visited in a seeded permutation of its own (seeded by
+    (seed, b), not by ``N``). A full era is the same whatever ``N`` turns out to be, so global
+    position ``p < floor(N/K)*K`` maps to a row without knowing ``N``, and step ``k`` needs only
+    the first ``ceil((k+1)*B/K)*K`` rows: training can run on the committed prefix of a cache
+    that is still being built (a :class:`GrowingDataset`). The last era, when ``K`` does not
+    divide ``N``, holds the ``N mod K`` rows left over and is permuted once ``N`` is known (the
+    data complete). Epochs after the first need ``N`` anyway: they are shuffled whole, exactly as
+    in ``epoch`` mode (the same permutation for the same epoch).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -39,6 +56,16 @@ class SequenceDataset(Protocol):
 
     def get_many(self, indices: Sequence[int]) -> LmBatch:
         """Rows ``indices`` stacked in that order."""
+        ...
+
+
+class GrowingDataset(SequenceDataset, Protocol):
+    """A :class:`SequenceDataset` whose rows are still being written, as a prefix of the final
+    rows (a token cache under construction). ``len()`` is the rows there now."""
+
+    def rows_ready(self, need: int) -> int | None:
+        """Block until at least ``need`` rows exist or the data is complete (raising if it never
+        will be); the total number of rows once complete, else None (``need`` rows exist)."""
         ...
 
 
@@ -139,14 +166,30 @@ def epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
     return _feistel_permute(num_rows, seed, epoch, np.arange(num_rows))
 
 
+SHUFFLES = ("epoch", "era")
+
+
+@functools.lru_cache(maxsize=8)
+def era_permutation(size: int, seed: int, era: int) -> np.ndarray:
+    """The visiting order of era ``era``'s ``size`` rows (offsets in the era): a seeded
+    permutation of ``range(size)`` that depends on (seed, era, size) only (read-only array)."""
+    perm = np.random.Generator(np.random.PCG64([seed, era, 0xE4A])).permutation(size)
+    perm.setflags(write=False)
+    return perm
+
+
 class StepBatchSource:
     """Batches indexed by step: ``batch(k)`` is a pure function of (dataset, seed, k).
 
-    Rows are visited in a seeded permutation per epoch; an epoch boundary inside a batch
-    continues with the next epoch's permutation. With ``process_count > 1`` each process gets
-    the contiguous slice ``[process_index * B/P, (process_index + 1) * B/P)`` of the global
-    batch, so together the processes see exactly the global batch; each process reads only its
-    own rows. Safe to call from several threads (e.g. a prefetcher's).
+    Rows are visited in the order ``shuffle`` names (``epoch`` or ``era``, see the module
+    docstring); an epoch boundary inside a batch continues with the next epoch's order. With
+    ``process_count > 1`` each process gets the contiguous slice
+    ``[process_index * B/P, (process_index + 1) * B/P)`` of the global batch, so together the
+    processes see exactly the global batch; each process reads only its own rows. Safe to call
+    from several threads (e.g. a prefetcher's).
+
+    The dataset may be a :class:`GrowingDataset` (rows still being written): ``batch(k)`` then
+    waits until the rows step ``k`` needs exist (``era``: its eras; ``epoch``: all of them).
     """
 
     _PERMS_KEPT = 2  # an epoch boundary needs two permutations at once
@@ -159,6 +202,8 @@ class StepBatchSource:
         *,
         process_index: int = 0,
         process_count: int = 1,
+        shuffle: str = "epoch",
+        era_length: int = 4096,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -166,13 +211,20 @@ class StepBatchSource:
             raise ValueError(f"process_index {process_index} is not in [0, process_count={process_count})")
         if batch_size % process_count:
             raise ValueError(f"batch_size {batch_size} is not divisible by process_count {process_count}")
-        if len(dataset) == 0:
+        if shuffle not in SHUFFLES:
+            raise ValueError(f"shuffle must be one of {', '.join(SHUFFLES)}, got {shuffle!r}")
+        if era_length < 1:
+            raise ValueError(f"era_length must be >= 1, got {era_length}")
+        self._rows_ready = getattr(dataset, "rows_ready", None)  # a GrowingDataset
+        if self._rows_ready is None and len(dataset) == 0:
             raise ValueError("the dataset has no rows (is seq_len longer than the data?)")
         self.dataset = dataset
         self.batch_size = batch_size
         self.seed = seed
         self.process_index = process_index
         self.process_count = process_count
+        self.shuffle = shuffle
+        self.era_length = era_length
         self._perm_cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._perm_lock = threading.Lock()
 
@@ -184,11 +236,11 @@ class StepBatchSource:
     def local_batch_size(self) -> int:
         return self.batch_size // self.process_count
 
-    def _perm(self, epoch: int) -> np.ndarray:
+    def _perm(self, epoch: int, n: int) -> np.ndarray:
         with self._perm_lock:
             perm = self._perm_cache.get(epoch)
             if perm is None:
-                perm = epoch_permutation(len(self.dataset), self.seed, epoch)
+                perm = epoch_permutation(n, self.seed, epoch)
                 self._perm_cache[epoch] = perm
                 while len(self._perm_cache) > self._PERMS_KEPT:  # at most 2 x 8 MiB
                     self._perm_cache.popitem(last=False)
@@ -196,21 +248,61 @@ class StepBatchSource:
                 self._perm_cache.move_to_end(epoch)
             return perm
 
+    def rows_needed(self, step: int) -> int | None:
+        """Rows step ``step`` needs to exist, or None when it needs them all (the total)."""
+        end = (step + 1) * self.batch_size
+        if self.shuffle == "era":
+            return -(-end // self.era_length) * self.era_length
+        return None
+
+    def _total(self, step: int) -> int | None:
+        """The number of rows, or None while the data is incomplete but holds what ``step`` needs."""
+        if self._rows_ready is None:
+            return len(self.dataset)
+        need = self.rows_needed(step)
+        total = self._rows_ready(sys.maxsize if need is None else need)
+        if total == 0:
+            raise ValueError("the dataset has no rows (is seq_len longer than the data?)")
+        return total
+
+    def _epoch_rows(self, epoch: int, offsets: np.ndarray, n: int) -> np.ndarray:
+        """Rows at ``offsets`` of epoch ``epoch``'s permutation of all ``n`` rows."""
+        if n <= MATERIALIZED_PERMUTATION_MAX_ROWS:
+            return self._perm(epoch, n)[offsets]
+        return _feistel_permute(n, self.seed, epoch, offsets)  # computed per position: no O(rows) array
+
+    def _era_rows(self, positions: np.ndarray, n: int | None) -> np.ndarray:
+        """Rows at first-epoch ``positions`` in era order (``n``: the total, None if unknown, when
+        every position lies in a full era)."""
+        K = self.era_length
+        eras, offsets = np.divmod(positions, K)
+        out = np.empty_like(positions)
+        for b in np.unique(eras).tolist():
+            sel = eras == b
+            size = K if n is None else min(K, n - b * K)
+            if size <= MATERIALIZED_PERMUTATION_MAX_ROWS:
+                out[sel] = b * K + era_permutation(size, self.seed, b)[offsets[sel]]
+            else:  # keyed apart from every epoch's permutation
+                out[sel] = b * K + _feistel_permute(size, self.seed, (1 << 40) + b, offsets[sel])
+        return out
+
     def global_indices(self, step: int) -> np.ndarray:
         """Dataset row ids of the whole global batch for ``step``."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        n = len(self.dataset)
         start = step * self.batch_size
         flat = np.arange(start, start + self.batch_size, dtype=np.int64)
+        n = self._total(step)
+        if n is None:  # era order on a growing dataset: all positions lie in full, committed eras
+            return self._era_rows(flat, None)
         epochs, offsets = np.divmod(flat, n)
         out = np.empty_like(flat)
-        for e in np.unique(epochs):
+        for e in np.unique(epochs).tolist():
             sel = epochs == e
-            if n <= MATERIALIZED_PERMUTATION_MAX_ROWS:
-                out[sel] = self._perm(int(e))[offsets[sel]]
-            else:  # computed per position: no O(rows) array
-                out[sel] = _feistel_permute(n, self.seed, int(e), offsets[sel])
+            if e == 0 and self.shuffle == "era":
+                out[sel] = self._era_rows(offsets[sel], n)
+            else:
+                out[sel] = self._epoch_rows(e, offsets[sel], n)
         return out
 
     def local_indices(self, step: int) -> np.ndarray:

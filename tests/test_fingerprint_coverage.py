@@ -85,6 +85,8 @@ STAGE_OF: dict[str, str | None] = {
             "name_or_path revision eos_token"),
     # what determines the weights
     "data.packing": "train_ckpt",
+    "data.shuffle": "train_ckpt",  # the row order
+    "data.era_length": "train_ckpt",  # with data.shuffle: era (SPECIAL)
     **_each("train_ckpt", "model[gpt2].", "type seq_len hidden_dim num_layers num_heads mlp_scale "
             "initializer_range embed_pdrop resid_pdrop attn_pdrop layer_norm_epsilon activation_function "
             "scale_attn_by_inverse_layer_idx upcast_attn use_bias"),
@@ -161,6 +163,7 @@ SPECIAL: dict[str, tuple[dict[str, Any], Any]] = {
     "data.builtin": (_NO_FILES, "python_stdlib"),
     "data.tokenizer.kind": ({"data.tokenizer.name_or_path": "some-org/some-tokenizer"}, "hf"),
     "trainer.num_epochs": ({"trainer.num_train_steps": None}, 2.0),
+    "data.era_length": ({"data.shuffle": "era"}, 1024),
     "trainer.train_tokens": ({"trainer.num_train_steps": None}, 4096),
     "trainer.mp": ({}, "p=f32,c=bfloat16"),
     "initialize_from_hf": ({}, "hf-start"),

@@ -39,7 +39,7 @@ EXPECTED_SEMANTIC = {
     "data.tokenizer.kind": True, "data.tokenizer.vocab_size": True, "data.tokenizer.min_frequency": True,
     "data.tokenizer.special_tokens": True, "data.tokenizer.max_train_chars": True,
     "data.tokenizer.name_or_path": True, "data.tokenizer.revision": True, "data.tokenizer.eos_token": True,
-    "data.packing": True,
+    "data.packing": True, "data.shuffle": True, "data.era_length": True,
     "data.cache_dir": False, "data.num_workers": False, "data.shard_group_size": False,
     # model families
     **{f"model[gpt2].{f}": True for f in (

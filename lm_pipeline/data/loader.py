@@ -14,6 +14,11 @@
   its contiguous slice ``[i * B/P, (i + 1) * B/P)``. Together the processes see exactly the
   global batch. With a ``sharding``, :class:`Prefetcher` assembles the global ``jax.Array`` with
   ``jax.make_array_from_process_local_data``, each host contributing its slice.
+* :class:`GrowingCacheDataset` reads the committed prefix of a cache that is still being built
+  (``concat`` rows only): with ``data.shuffle: era`` the batch for step ``k`` needs only the
+  cache's first eras, and ``rows_ready`` polls the ledger until they are committed (or fails in
+  one line when the builder stopped or the cache stopped growing). Shards are committed in shard
+  order, so the prefix is a prefix of the final cache and the batches are those of the complete one.
 * :class:`Prefetcher` loads upcoming steps on a background thread (``depth`` steps ahead) and
   yields ``(step, batch)`` in order from any start step; its :class:`PrefetchStats` record how
   long the consumer (the training loop, i.e. the device) waited for data.
@@ -22,6 +27,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -34,11 +40,18 @@ import numpy as np
 import tensorstore as ts
 
 from lm_pipeline.batch import LmBatch, SequenceDataset, StepBatchSource, device_put_batch
-from lm_pipeline.data.cache import TokenCache, open_cache
+from lm_pipeline.data.cache import (
+    CacheError,
+    CacheNotFoundError,
+    CacheStalledError,
+    TokenCache,
+    open_cache,
+)
 from lm_pipeline.data.packing import PackedLayout, open_packing
 
 __all__ = [
     "CacheDataset",
+    "GrowingCacheDataset",
     "PrefetchStats",
     "Prefetcher",
     "make_batch_source",
@@ -114,6 +127,177 @@ class CacheDataset:
         return LmBatch(tokens, plan.segment_ids)
 
 
+#: How long a reader waits for a cache under construction to commit more rows before it decides
+#: that the builder died (seconds); ``$LM_PIPELINE_CACHE_STALL_S`` overrides it.
+STALL_TIMEOUT_S = 600.0
+
+
+def _concat_layout(rows: int, seq_len: int, identity: str) -> PackedLayout:
+    return PackedLayout("concat", seq_len, np.array([0, rows], np.int64), np.zeros(0, np.int64),
+                        np.zeros(0, np.int32), cache_identity=identity)
+
+
+class GrowingCacheDataset:
+    """``concat`` rows of a token cache that may still be being built (a
+    :class:`~lm_pipeline.batch.GrowingDataset`).
+
+    It reads the ledger's committed prefix: row ``r`` is ``tokens[r * T:(r + 1) * T]`` for
+    ``r < committed_tokens // T``. The builder commits whole shards in shard order (the ledger
+    records each shard's token start; :class:`~lm_pipeline.data.cache.writer.Committer` refuses
+    anything else), so every committed prefix is a prefix of the final cache and these rows are
+    the complete cache's rows. ``greedy`` / ``first_fit`` rows are derived from the whole cache:
+    refused.
+
+    Args:
+        location: the cache directory (it may not exist yet).
+        seq_len: row length.
+        packing: must be ``concat``.
+        expected_tokenizer_fingerprint: checked as by :func:`open_cache` once the ledger exists.
+        poll_s: seconds between reads of the ledger while waiting.
+        stall_timeout_s: waiting fails when no new rows were committed for this long (default
+            :data:`STALL_TIMEOUT_S`, or ``$LM_PIPELINE_CACHE_STALL_S``).
+        builder_alive: optional; returns False once the builder has stopped, so that waiting
+            fails at once instead of after ``stall_timeout_s`` (e.g. a builder thread's ``is_alive``).
+    """
+
+    def __init__(
+        self,
+        location: str | os.PathLike,
+        seq_len: int,
+        packing: str = "concat",
+        *,
+        expected_tokenizer_fingerprint: str | None = None,
+        poll_s: float = 0.5,
+        stall_timeout_s: float | None = None,
+        builder_alive: Callable[[], bool] | None = None,
+    ):
+        if packing != "concat":
+            from lm_pipeline.schema import ConfigError
+
+            raise ConfigError("data.packing", f"is {packing}, but training on a token cache still being built "
+                              "(data.shuffle: era) reads packing: concat only (greedy and first_fit rows are "
+                              "derived from the whole cache); set data.packing: concat or build the cache first "
+                              "(lm-pipeline cache)")
+        self.location = os.fspath(location)
+        self.seq_len = int(seq_len)
+        self.packing = packing
+        self.expected_tokenizer_fingerprint = expected_tokenizer_fingerprint
+        self.poll_s = float(poll_s)
+        if stall_timeout_s is None:
+            stall_timeout_s = float(os.environ.get("LM_PIPELINE_CACHE_STALL_S", STALL_TIMEOUT_S))
+        self.stall_timeout_s = float(stall_timeout_s)
+        self.builder_alive = builder_alive
+        self._lock = threading.Lock()  # guards the snapshot
+        self._wait_lock = threading.Lock()  # one waiter polls at a time
+        self._cache: TokenCache | None = None
+        self._data: CacheDataset | None = None
+        self._rows = 0
+        self._refresh()
+
+    # -- the snapshot ---------------------------------------------------------------------------
+
+    @property
+    def complete(self) -> bool:
+        return self._cache is not None and self._cache.complete
+
+    @property
+    def cache(self) -> TokenCache | None:
+        """The latest snapshot of the cache (None before its ledger exists)."""
+        return self._cache
+
+    def _refresh(self) -> None:
+        """Read the ledger again; a newer snapshot replaces the current one."""
+        if self.complete:
+            return
+        try:
+            cache = open_cache(self.location, self.expected_tokenizer_fingerprint, require_complete=False)
+        except CacheNotFoundError:  # the builder has not started this cache yet
+            return
+        old = self._cache
+        if old is not None:
+            if cache.identity == old.identity:
+                return
+            n = len(old.shards)
+            if cache.num_tokens < old.num_tokens or cache.shards[:n] != old.shards:
+                raise CacheError(f"token cache {self.location} was rebuilt while training read it (its committed "
+                                 "shards are no longer a prefix of what was read); restart the run")
+        rows = cache.num_tokens // self.seq_len
+        data = CacheDataset(cache, self.seq_len, "concat", layout=_concat_layout(rows, self.seq_len, cache.identity))
+        with self._lock:
+            self._cache, self._data, self._rows = cache, data, rows
+
+    def _state(self) -> str:
+        c = self._cache
+        if c is None:
+            return "no ledger yet"
+        return (f"{c.ledger['committed']['shards']} of {c.ledger['plan']['num_shards']} shards committed, "
+                f"{self._rows} rows of {self.seq_len} tokens")
+
+    def rows_ready(self, need: int) -> int | None:
+        """Block until at least ``need`` rows are committed or the cache is complete: the number
+        of rows once complete, else None. Raises :class:`CacheStalledError` (one line) when the
+        builder stopped, or nothing new was committed for ``stall_timeout_s``, before that."""
+        with self._wait_lock:
+            last_key, last_change = None, time.monotonic()
+            while True:
+                self._refresh()
+                if self.complete:
+                    return self._rows
+                if self._rows >= need:
+                    return None
+                c = self._cache
+                key = None if c is None else (c.num_tokens, c.ledger["committed"]["shards"])
+                now = time.monotonic()
+                if key != last_key:
+                    last_key, last_change = key, now
+                if self.builder_alive is not None and not self.builder_alive():
+                    self._refresh()  # it may have finished between the two reads
+                    if self.complete or self._rows >= need:
+                        continue
+                    raise CacheStalledError(
+                        f"token cache {self.location}: its builder stopped before committing the {need} rows "
+                        f"training needs ({self._state()}); see the builder's error, then rerun (the build resumes)")
+                if now - last_change > self.stall_timeout_s:
+                    raise CacheStalledError(
+                        f"token cache {self.location}: nothing new committed for {self.stall_timeout_s:g} s while "
+                        f"training waits for {need} rows ({self._state()}); its builder seems to have died: "
+                        "rebuild it (lm-pipeline cache resumes the build) and rerun")
+                time.sleep(self.poll_s)
+
+    def wait_complete(self) -> TokenCache:
+        """Block until the cache is complete (as :meth:`rows_ready`); the complete cache."""
+        self.rows_ready(sys.maxsize)
+        assert self._cache is not None
+        return self._cache
+
+    # -- SequenceDataset ------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Rows committed so far (all rows once complete)."""
+        return self._rows
+
+    def __repr__(self) -> str:
+        return f"GrowingCacheDataset({self.location!r}, seq_len={self.seq_len}, {self._state()})"
+
+    @property
+    def num_bytes(self) -> int:
+        return self._cache.num_bytes if self._cache is not None else 0
+
+    @property
+    def bytes_per_token(self) -> float:
+        c = self._cache
+        return c.num_bytes / max(1, c.num_tokens) if c is not None else 0.0
+
+    def get_many(self, indices: Sequence[int]) -> LmBatch:
+        with self._lock:
+            data, rows = self._data, self._rows
+        idx = np.asarray(indices, np.int64)
+        if data is None or (len(idx) and int(idx.max()) >= rows):
+            raise IndexError(f"rows up to {int(idx.max()) if len(idx) else 0} asked of {self.location}, which has "
+                             f"{rows} committed rows (call rows_ready first)")
+        return data.get_many(idx)
+
+
 def open_dataset(
     cache_dir: str | os.PathLike,
     seq_len: int,
@@ -134,6 +318,8 @@ def make_batch_source(
     *,
     process_index: int | None = None,
     process_count: int | None = None,
+    shuffle: str = "epoch",
+    era_length: int = 4096,
 ) -> StepBatchSource:
     """A :class:`StepBatchSource` for this process (defaults from ``jax.process_index/count``)."""
     if process_index is None or process_count is None:
@@ -141,7 +327,8 @@ def make_batch_source(
 
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
-    return StepBatchSource(dataset, batch_size, seed, process_index=process_index, process_count=process_count)
+    return StepBatchSource(dataset, batch_size, seed, process_index=process_index, process_count=process_count,
+                           shuffle=shuffle, era_length=era_length)
 
 
 @dataclass

@@ -115,12 +115,16 @@ def token_cache(pipe: Pipeline) -> StageResult:
         from lm_pipeline.data.cache import build_cache
 
         data = pipe.cfg.data
-        splits = {}
-        for split, shards in pipe.shards().items():
-            ledger = build_cache(f"{path}/{split}", shards, tok.path, num_workers=data.num_workers,
+        all_shards = pipe.shards()
+        built = {}
+        # The validation sets first (small): a run that trains while the cache builds
+        # (data.shuffle: era) evaluates them whole, and reads the training split as it grows.
+        for split in sorted(all_shards, key=lambda name: name == "train"):
+            ledger = build_cache(f"{path}/{split}", all_shards[split], tok.path, num_workers=data.num_workers,
                                  shard_group_size=data.shard_group_size, progress=pipe.progress)
-            splits[split] = ledger_counts(ledger)
-        return cache_summary(splits), {"tokenizer_path": tok.path, "built_by": "single"}
+            built[split] = ledger_counts(ledger)
+        return cache_summary({split: built[split] for split in all_shards}), {"tokenizer_path": tok.path,
+                                                                              "built_by": "single"}
 
     return pipe.run("token_cache", write)
 
@@ -166,17 +170,117 @@ def continuation_hint(pipe: Pipeline) -> str | None:
     return None
 
 
+def train_while_caching(pipe: Pipeline) -> bool:
+    """Whether ``train_ckpt`` trains while the token cache is built in the background: with
+    ``data.shuffle: era``, when the cache is not complete (and the run is not), the packing is
+    ``concat`` and the run's length does not need the data's size."""
+    cfg = pipe.cfg
+    if cfg.data.shuffle != "era" or pipe.cached("train_ckpt") is not None or pipe.cached("token_cache") is not None:
+        return False
+    if cfg.data.packing != "concat":
+        log.warning("data.shuffle: era trains while the token cache builds with data.packing: concat only "
+                    "(%s rows are derived from the whole cache): building the cache first", cfg.data.packing)
+        return False
+    tc = cfg.trainer
+    if tc.num_train_steps is None and tc.train_tokens is None and tc.num_epochs is not None:
+        log.info("trainer.num_epochs needs the training data's size: building the token cache before training")
+        return False
+    return True
+
+
+class _BackgroundCache:
+    """The ``token_cache`` stage built on a thread while training reads the committed prefix of
+    its training split (:class:`~lm_pipeline.data.loader.GrowingCacheDataset`)."""
+
+    def __init__(self, pipe: Pipeline):
+        import threading
+
+        self.pipe = pipe
+        self.result: StageResult | None = None
+        self.error: BaseException | None = None
+        pipe.address("token_cache")  # computed here, not concurrently on the thread
+        self.thread = threading.Thread(target=self._build, name="lm-pipeline-token-cache", daemon=True)
+        self.thread.start()
+
+    def _build(self) -> None:
+        try:
+            self.result = self.pipe.token_cache()
+        except BaseException as e:  # reported by join(); the reader sees the thread stop
+            self.error = e
+            log.error("token_cache (built in the background): %s", " ".join(str(e).split()) or type(e).__name__)
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def join(self) -> StageResult:
+        """Wait for the cache to be complete (its manifest written); raise what stopped it."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+def _datasets_while_caching(pipe: Pipeline, builder: _BackgroundCache | None):
+    """(train dataset, {validation set: dataset}, tokenizer dir, vocab size) of a token cache
+    being built: the validation sets once complete (they are built first), the training split as
+    it grows (``concat`` rows of its committed prefix)."""
+    from lm_pipeline.data.encode import tokenizer_info as cache_tokenizer_info
+    from lm_pipeline.data.loader import GrowingCacheDataset, open_dataset
+    from lm_pipeline.data.tokenizer import tokenizer_info
+
+    tok_dir = pipe.tokenizer().path
+    info = cache_tokenizer_info(tok_dir)  # what the cache's ledger records
+    where = pipe.store.artifact("token_cache", pipe.address("token_cache").fingerprint).path
+    seq_len = pipe.cfg.model.seq_len
+    alive = builder.alive if builder is not None else None
+
+    def growing(split: str) -> GrowingCacheDataset:
+        return GrowingCacheDataset(f"{where}/{split}", seq_len, "concat",
+                                   expected_tokenizer_fingerprint=info.fingerprint, builder_alive=alive)
+
+    evals = {}
+    for name in pipe.shards():
+        if name != "train":
+            growing(name).wait_complete()
+            evals[name] = open_dataset(f"{where}/{name}", seq_len, "concat")
+    log.info("train_ckpt: training while the token cache is built at %s (data.shuffle: era, %d rows an era)",
+             where, pipe.cfg.data.era_length)
+    return growing("train"), evals, tok_dir, tokenizer_info(tok_dir).vocab_size
+
+
 def train_ckpt(pipe: Pipeline, hooks: Sequence = ()) -> StageResult:
-    """Train (resuming from the run's latest checkpoint); the manifest marks the run finished."""
-    cache = pipe.token_cache()
+    """Train (resuming from the run's latest checkpoint); the manifest marks the run finished.
+
+    With ``data.shuffle: era`` and the token cache not complete, the cache is built on a
+    background thread (by process 0 of a multi-process run) while the run trains on its committed
+    prefix (:func:`train_while_caching`); the batches, and so the run, are those of the complete
+    cache. The run's manifest is written once the cache is complete too."""
+    background = train_while_caching(pipe)
+    if background:
+        pipe.tokenizer()  # before the thread: one builder of each stage
+        cache = None
+    else:
+        cache = pipe.token_cache()
 
     def write(path: str):
         from lm_pipeline.hf import export_hook
+        from lm_pipeline.steps.pipeline import process_index
         from lm_pipeline.train.checkpoint import latest_checkpoint
         from lm_pipeline.train.run import train
         from lm_pipeline.train.trainer import StepInfo
 
-        train_ds, evals, tok_dir, vocab = pipe.datasets(cache)
+        builder = None
+        if background:
+            builder = _BackgroundCache(pipe) if process_index(pipe.cfg) == 0 else None
+            try:
+                train_ds, evals, tok_dir, vocab = _datasets_while_caching(pipe, builder)
+            except BaseException:
+                if builder is not None and builder.error is not None:
+                    raise builder.error from None
+                raise
+        else:
+            train_ds, evals, tok_dir, vocab = pipe.datasets(cache)
         run_dir = pipe.run_dir()
         if latest_checkpoint(run_dir) is None and not pipe.cfg.trainer.load_checkpoint_path:
             hint = continuation_hint(pipe)
@@ -184,11 +288,18 @@ def train_ckpt(pipe: Pipeline, hooks: Sequence = ()) -> StageResult:
                 log.warning("%s", hint)
         # Levanter's hf_save_steps: export every N steps, and once more at the end.
         hf_hook = export_hook(pipe.export_config, run_dir=run_dir, tokenizer_dir=tok_dir)
-        res = train(pipe.cfg, train_data=train_ds, vocab_size=vocab, eval_data=evals,
-                    eval_bytes_per_token={n: d.bytes_per_token for n, d in evals.items()},
-                    run_id=pipe.run_id(), run_dir=run_dir,
-                    extra_checkpoint_files=_tokenizer_files(tok_dir),
-                    hooks=[*hooks, *([hf_hook] if hf_hook else [])])
+        try:
+            res = train(pipe.cfg, train_data=train_ds, vocab_size=vocab, eval_data=evals,
+                        eval_bytes_per_token={n: d.bytes_per_token for n, d in evals.items()},
+                        run_id=pipe.run_id(), run_dir=run_dir,
+                        extra_checkpoint_files=_tokenizer_files(tok_dir),
+                        hooks=[*hooks, *([hf_hook] if hf_hook else [])])
+        except BaseException:
+            if builder is not None and builder.error is not None:  # the cause, rather than the stalled reader
+                raise builder.error from None
+            raise
+        if builder is not None:
+            builder.join()  # the run's lineage names a complete cache
         if hf_hook and res.final_step % hf_hook.every:
             hf_hook.fn(StepInfo(res.final_step, res.state, res.metrics))
         final = latest_checkpoint(run_dir) or (res.checkpoints[-1] if res.checkpoints else None)

@@ -60,7 +60,8 @@ class Stage:
 def _raw_shards_config(pipe: Pipeline) -> Any:
     view = semantic_view(pipe.cfg.data)
     view.pop("tokenizer", None)  # the tokenizer's own stage
-    view.pop("packing", None)  # train_ckpt's: packing never re-reads the shards
+    for name in ("packing", "shuffle", "era_length"):  # train_ckpt's: the row order never re-reads the shards
+        view.pop(name, None)
     return view
 
 
@@ -116,8 +117,11 @@ def _tokenizer_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
 
 def _train_config(pipe: Pipeline) -> Any:
     cfg = pipe.cfg
-    return {"model": semantic_view(cfg.model), "trainer": semantic_view(cfg.trainer),
+    conf = {"model": semantic_view(cfg.model), "trainer": semantic_view(cfg.trainer),
             "optimizer": semantic_view(cfg.optimizer), "packing": cfg.data.packing}
+    if cfg.data.shuffle != "epoch":  # the row order; absent for the default, so existing runs keep their address
+        conf["shuffle"] = {"order": cfg.data.shuffle, "era_length": cfg.data.era_length}
+    return conf
 
 
 def _train_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -64,6 +65,8 @@ def run_id_for(cfg: RunConfig, data_fingerprint: str | None = None) -> str:
         from lm_pipeline.hf.start import hf_weights_identity
 
         inputs["hf_weights"] = hf_weights_identity(cfg.initialize_from_hf)
+    if cfg.data.shuffle != "epoch":  # the row order (absent for the default: existing ids unchanged)
+        semantic["shuffle"] = {"order": cfg.data.shuffle, "era_length": cfg.data.era_length}
     return "run-" + fingerprint("train_ckpt", semantic, TRAIN_CODE_VERSION, inputs)
 
 
@@ -178,7 +181,7 @@ def _prepare(cfg: RunConfig, train_data: SequenceDataset, vocab_size: int, data_
     seq_len = cfg.model.seq_len
     if train_data.seq_len != seq_len:
         raise ConfigError("model.seq_len", f"is {seq_len} but the training data is packed to {train_data.seq_len}")
-    num_steps = tc.resolve_num_steps(len(train_data), seq_len)
+    num_steps = tc.resolve_num_steps(_num_rows(train_data, cfg), seq_len)
     run_id = run_id or run_id_for(cfg, data_fingerprint)
     run_dir = run_dir or f"{(tc.checkpointer.base_path or 'checkpoints').rstrip('/')}/{run_id}"
     setup_logging(tc.log_dir, run_id)
@@ -186,7 +189,8 @@ def _prepare(cfg: RunConfig, train_data: SequenceDataset, vocab_size: int, data_
     log.info("run %s: %d steps, batch %d x %d tokens, %d devices (data %d x model %d)",
              run_id, num_steps, tc.train_batch_size, seq_len, jax.device_count(), plan.data_size, plan.model_size)
     source = StepBatchSource(train_data, tc.train_batch_size, tc.seed,
-                             process_index=jax.process_index(), process_count=jax.process_count())
+                             process_index=jax.process_index(), process_count=jax.process_count(),
+                             shuffle=cfg.data.shuffle, era_length=cfg.data.era_length)
     has_segments = source.batch(0).segment_ids is not None
     if tc.per_device_parallelism == "auto":
         cfg = resolve_auto_parallelism(cfg, jax.device_count(), vocab_size, segments=has_segments)
@@ -194,6 +198,17 @@ def _prepare(cfg: RunConfig, train_data: SequenceDataset, vocab_size: int, data_
                                plan=plan, has_segments=has_segments)
     checkpointer = _FiniteStateCheckpointer(cfg.trainer.checkpointer, base_path_override=run_dir)
     return _Run(cfg, plan, num_steps, run_id, run_dir, source, fns, checkpointer)
+
+
+def _num_rows(train_data: SequenceDataset, cfg: RunConfig) -> int:
+    """The training rows, for a run length given in epochs. A dataset still being written (a
+    token cache under construction) is waited for only when the run length needs its size."""
+    rows_ready = getattr(train_data, "rows_ready", None)
+    tc = cfg.trainer
+    if rows_ready is not None and tc.num_epochs is not None and tc.num_train_steps is None and tc.train_tokens is None:
+        log.info("trainer.num_epochs needs the training data's size: waiting for the token cache to be complete")
+        return int(rows_ready(sys.maxsize))
+    return len(train_data)
 
 
 #: Errors of a checkpoint's bytes (TensorStore / Orbax status texts), as opposed to a mismatch

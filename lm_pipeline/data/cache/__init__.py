@@ -25,6 +25,9 @@ groups or nothing. A build killed at any point resumes from the last committed g
 with identical bytes, so a resumed build ends byte-identical to an uninterrupted one. The output
 never depends on the number of workers (commit order is the shard order). When all shards are
 committed the ledger is marked complete and then ``COMPLETE`` is written (temp file + rename).
+Since shards are committed in shard order, each one starting where the committed ones end, every
+committed state is a prefix of the final cache: a reader may train on it while the cache grows
+(:class:`lm_pipeline.data.loader.GrowingCacheDataset`, ``data.shuffle: era``).
 
 =====================  ==================================================================
 module                 job
@@ -45,6 +48,7 @@ from lm_pipeline.data.cache.errors import (
     CacheIncompleteError,
     CacheMismatchError,
     CacheNotFoundError,
+    CacheStalledError,
 )
 from lm_pipeline.data.cache.ledger import FORMAT_VERSION
 from lm_pipeline.data.cache.merge import merge_cache_parts
@@ -59,6 +63,7 @@ __all__ = [
     "CacheIncompleteError",
     "CacheMismatchError",
     "CacheNotFoundError",
+    "CacheStalledError",
     "TokenCache",
     "build_cache",
     "merge_cache_parts",

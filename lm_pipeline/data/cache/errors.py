@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CacheError", "CacheIncompleteError", "CacheMismatchError", "CacheNotFoundError"]
+__all__ = ["CacheError", "CacheIncompleteError", "CacheMismatchError", "CacheNotFoundError", "CacheStalledError"]
 
 
 class CacheError(RuntimeError):
@@ -20,3 +20,7 @@ class CacheMismatchError(CacheError):
 class CacheIncompleteError(CacheError):
     """The cache's build has not finished (no completion marker)."""
 
+
+
+class CacheStalledError(CacheError):
+    """A reader waited for a cache under construction that stopped growing (its builder died)."""

@@ -105,9 +105,19 @@ class Committer:
         self.end_shard(shard)
 
     def commit(self) -> None:
-        """Make the ended shards visible: one atomic ledger replacement."""
+        """Make the ended shards visible: one atomic ledger replacement.
+
+        Shards are committed in order, each starting where the committed ones end: every
+        committed state is a prefix of the final cache (training may read it while it grows).
+        """
         if self._open is not None:
             raise CacheError("commit with a shard partly written: end_shard first")
+        c = self.ledger["committed"]
+        for rec in self.staged:  # contiguous from the committed counts, in order
+            if (rec["doc_start"], rec["token_start"]) != (c["docs"], c["tokens"]):
+                raise CacheError(f"{self.root}: shard {rec['name']} starts at doc {rec['doc_start']}, token "
+                                 f"{rec['token_start']}, not where the committed shards end; not committing")
+            c = {"docs": rec["doc_start"] + rec["docs"], "tokens": rec["token_start"] + rec["tokens"]}
         faultpoint("token_cache.before_commit")  # shards appended to the arrays, ledger not yet replaced
         self.ledger["shards"].extend(self.staged)
         self.ledger["committed"] = {
