@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 
 from lm_pipeline import faultpoints
 from lm_pipeline.batch import StepBatchSource
-from lm_pipeline.data.cache import CacheStalledError, build_cache, open_cache
+from lm_pipeline.data.cache import CacheError, CacheStalledError, build_cache, open_cache
 from lm_pipeline.data.loader import CacheDataset, GrowingCacheDataset
 from lm_pipeline.data.textshard import TextShard
 
@@ -153,6 +153,13 @@ def test_waiting_on_a_dead_builder_fails_in_one_line(tmp_path, tokdir, monkeypat
     assert "\n" not in message and "nothing new committed for 1 s" in message and str(tmp_path / "c") in message
     assert "2 of 10 shards committed" in message, message
     print(message)
+    # a run that stops closes its dataset: a prefetch thread still waiting for rows stops too
+    waiting = GrowingCacheDataset(tmp_path / "c", T, poll_s=0.05, stall_timeout_s=60)
+    threading.Timer(0.2, waiting.close).start()
+    t0 = time.monotonic()
+    with pytest.raises(CacheError, match="closed"):
+        waiting.rows_ready(len(waiting) + 1)
+    assert time.monotonic() - t0 < 5
     # greedy / first_fit rows need the whole cache: refused in one line naming the fields
     from lm_pipeline.schema import ConfigError
 

@@ -192,6 +192,7 @@ class GrowingCacheDataset:
         self._cache: TokenCache | None = None
         self._data: CacheDataset | None = None
         self._rows = 0
+        self._closed = threading.Event()
         self._refresh()
 
     # -- the snapshot ---------------------------------------------------------------------------
@@ -262,7 +263,13 @@ class GrowingCacheDataset:
                         f"token cache {self.location}: nothing new committed for {self.stall_timeout_s:g} s while "
                         f"training waits for {need} rows ({self._state()}); its builder seems to have died: "
                         "rebuild it (lm-pipeline cache resumes the build) and rerun")
-                time.sleep(self.poll_s)
+                if self._closed.wait(self.poll_s):
+                    raise CacheError(f"token cache {self.location}: stopped waiting for {need} rows (closed)")
+
+    def close(self) -> None:
+        """Stop waiting: a pending or later :meth:`rows_ready` that would wait raises instead (so a
+        prefetch thread does not outlive a run that stopped)."""
+        self._closed.set()
 
     def wait_complete(self) -> TokenCache:
         """Block until the cache is complete (as :meth:`rows_ready`); the complete cache."""

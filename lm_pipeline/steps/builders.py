@@ -298,6 +298,9 @@ def train_ckpt(pipe: Pipeline, hooks: Sequence = ()) -> StageResult:
             if builder is not None and builder.error is not None:  # the cause, rather than the stalled reader
                 raise builder.error from None
             raise
+        finally:
+            if background:
+                train_ds.close()  # a prefetch thread still waiting for rows stops
         if builder is not None:
             builder.join()  # the run's lineage names a complete cache
         if hf_hook and res.final_step % hf_hook.every:
