@@ -125,7 +125,7 @@ STAGE_OF: dict[str, str | None] = {
 }
 
 #: Fields kept in the schema only to refuse any value but the default with a message saying why.
-REFUSED = {"data.cache_dir"}
+REFUSED: set[str] = set()
 
 # --------------------------------------------------------------------------------------------
 # A tiny experiment over a fixed corpus (relative paths: the tests run inside its directory)
