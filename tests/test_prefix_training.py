@@ -186,6 +186,7 @@ def experiment(tmp: Path, root: str) -> dict:
     return cfg
 
 
+@pytest.mark.slow  # two tiny trainings (one compile each): ~20 s
 def test_training_while_the_cache_builds_equals_training_on_the_complete_cache(tmp_path, monkeypatch):
     from lm_pipeline.config import RunConfig
     from lm_pipeline.data.cache.writer import Committer
