@@ -104,7 +104,7 @@ STAGE_OF: dict[str, str | None] = {
     **_each(None, "data.", "cache_dir num_workers shard_group_size"),
     "model[gpt2].gradient_checkpointing": None,
     "model[llama].gradient_checkpointing": None,
-    **_each(None, "trainer.", "per_device_parallelism device_memory_gib per_device_eval_parallelism "
+    **_each(None, "trainer.", "per_device_parallelism gradient_accumulation_steps device_memory_gib per_device_eval_parallelism "
             "steps_per_eval max_eval_batches log_every progress id log_dir load_checkpoint "
             "load_checkpoint_path batch_axis fsdp_axis tensor_parallel_axes model_axis_size axis_resources "
             "parameter_axis_resources compute_axis_resources"),

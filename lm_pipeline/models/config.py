@@ -62,6 +62,24 @@ def require_activation(cfg: Any, name: str = "activation_function") -> None:
         raise ConfigError(name, f"must be one of {', '.join(map(repr, valid))}, got {getattr(cfg, name)!r}")
 
 
+def _common_llm_trainer_raw(data: dict[str, Any], family: str) -> dict[str, Any]:
+    """LLM-Trainer ModelConfig keys with one answer in both families: ``pre_norm`` (both families
+    normalize before each sub-layer: true is accepted, false refused), ``vocab_size`` (refused: the
+    vocabulary is the tokenizer's) and the activation spelling ``swish`` (= ``silu``)."""
+    if "pre_norm" in data:
+        pre_norm = data.pop("pre_norm")
+        if pre_norm is not True:
+            raise ConfigError("pre_norm", f"{pre_norm!r}: only pre-norm blocks exist here ({family} normalizes before "
+                              "attention and MLP); drop pre_norm or set it true")
+    if "vocab_size" in data:
+        raise ConfigError("vocab_size", "the model's vocabulary is the tokenizer's: set data.tokenizer.vocab_size "
+                          "(a BPE trained here) or use a Hugging Face tokenizer (data.tokenizer: NAME)")
+    for key in ("activation", "activation_function"):
+        if data.get(key) == "swish":
+            data[key] = "silu"
+    return data
+
+
 def require_divisible(name: str, value: int, by_name: str, by: int) -> None:
     """Raise ``ConfigError(name, "must be divisible by <by_name> (<by>), got <value>; e.g. <lo> or <hi>")``."""
     if by > 0 and value % by:
@@ -76,21 +94,47 @@ class Gpt2Config(LmConfig):
     """GPT-2: learned positions, LayerNorm, GELU MLP, tied embeddings."""
 
     type: Literal["gpt2"] = field("gpt2", help="Model family: 'gpt2'.")
-    seq_len: int = field(1024, help="Maximum sequence length (rows of the learned position embeddings).")
-    hidden_dim: int = field(768, help="Width of the residual stream (HF n_embd).")
-    num_layers: int = field(12, help="Number of transformer blocks (HF n_layer).")
-    num_heads: int = field(12, help="Attention heads; must divide hidden_dim (HF n_head).")
+    seq_len: int = field(1024, help="Maximum sequence length (rows of the learned position embeddings).", aliases=("max_seq_len",))
+    hidden_dim: int = field(768, help="Width of the residual stream (HF n_embd).", aliases=("d_model",))
+    num_layers: int = field(12, help="Number of transformer blocks (HF n_layer).", aliases=("n_layers",))
+    num_heads: int = field(12, help="Attention heads; must divide hidden_dim (HF n_head).", aliases=("n_heads",))
     mlp_scale: int | float = field(4, help="MLP hidden width as a multiple of hidden_dim (HF n_inner / n_embd); fractional when mlp_scale * hidden_dim is a whole number (e.g. 1.5 for n_inner 96, n_embd 64).")
     initializer_range: float = field(0.02, help="Std of the normal weight init; residual projections use it / sqrt(2 * num_layers).")
     embed_pdrop: float = field(0.0, help="Dropout on the embeddings (training only).")
     resid_pdrop: float = field(0.0, help="Dropout on each residual branch's output (training only).")
     attn_pdrop: float = field(0.0, help="Dropout on attention probabilities (training only; uses the explicit softmax path).")
     layer_norm_epsilon: float = field(1e-5, help="LayerNorm epsilon.")
-    activation_function: Literal["gelu", "gelu_new", "relu", "silu"] = field("gelu_new", help="MLP activation: 'gelu' (exact), 'gelu_new' (tanh approximation), 'relu' or 'silu'.")
+    activation_function: Literal["gelu", "gelu_new", "relu", "silu"] = field("gelu_new", help="MLP activation: 'gelu' (exact), 'gelu_new' (tanh approximation), 'relu' or 'silu'.", aliases=("activation",))
     scale_attn_by_inverse_layer_idx: bool = field(False, help="Divide attention scores of layer i (0-based) by i + 1.")
     upcast_attn: bool = field(False, help="Compute attention in float32 (HF reorder_and_upcast_attn).")
     gradient_checkpointing: bool = field(True, help="Recompute each block's activations in the backward pass (saves memory, same results).", semantic=False)
     use_bias: bool = field(True, help="Biases in linear layers and LayerNorms.")
+
+    @classmethod
+    def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """LLM-Trainer's ModelConfig keys that are not plain aliases (``docs/llm-trainer.md``):
+        ``d_ff`` -> ``mlp_scale = d_ff / hidden_dim``; ``dropout`` -> ``resid_pdrop`` and
+        ``embed_pdrop``; ``attention_dropout`` -> ``attn_pdrop``; ``pre_norm: true`` (GPT-2 is
+        pre-norm) accepted, false refused; ``vocab_size`` refused (the tokenizer's)."""
+        data = _common_llm_trainer_raw(data, "gpt2")
+        if "d_ff" in data:
+            d_ff = data.pop("d_ff")
+            if "mlp_scale" in data:
+                raise ConfigError("d_ff", "given together with mlp_scale; keep one (mlp_scale = d_ff / hidden_dim)")
+            width = next((data[k] for k in ("hidden_dim", "d_model") if k in data), cls.hidden_dim)
+            if not isinstance(d_ff, int) or isinstance(d_ff, bool) or d_ff < 1:
+                raise ConfigError("d_ff", f"expected a positive integer (the MLP width), got {d_ff!r}")
+            if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+                raise ConfigError("hidden_dim", f"must be a positive integer, got {width!r}")
+            data["mlp_scale"] = d_ff // width if d_ff % width == 0 else d_ff / width
+        for key, targets in (("dropout", ("resid_pdrop", "embed_pdrop")), ("attention_dropout", ("attn_pdrop",))):
+            if key in data:
+                value = data.pop(key)
+                for target in targets:
+                    if target in data:
+                        raise ConfigError(key, f"given together with {target}; keep one ({key} sets {' and '.join(targets)})")
+                    data[target] = value
+        return data
 
     @property
     def head_dim(self) -> int:
@@ -142,14 +186,14 @@ class LlamaConfig(LmConfig):
     """Llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP."""
 
     type: Literal["llama"] = field("llama", help="Model family: 'llama'.")
-    seq_len: int = field(2048, help="Training sequence length (HF max_position_embeddings).")
-    hidden_dim: int = field(4096, help="Width of the residual stream (HF hidden_size).")
-    intermediate_dim: int = field(11008, help="Hidden width of the SwiGLU MLP (HF intermediate_size).")
-    num_layers: int = field(32, help="Number of transformer blocks.")
-    num_heads: int = field(32, help="Query heads.")
+    seq_len: int = field(2048, help="Training sequence length (HF max_position_embeddings).", aliases=("max_seq_len",))
+    hidden_dim: int = field(4096, help="Width of the residual stream (HF hidden_size).", aliases=("d_model",))
+    intermediate_dim: int = field(11008, help="Hidden width of the SwiGLU MLP (HF intermediate_size).", aliases=("d_ff",))
+    num_layers: int = field(32, help="Number of transformer blocks.", aliases=("n_layers",))
+    num_heads: int = field(32, help="Query heads.", aliases=("n_heads",))
     num_kv_heads: int = field(32, help="Key/value heads; fewer than num_heads gives grouped-query attention (1: multi-query). Must divide num_heads.")
     head_dim: int | None = field(None, help="Per-head width; null means hidden_dim // num_heads.")
-    activation_function: Literal["gelu", "gelu_new", "relu", "silu"] = field("silu", help="Gate activation of the MLP ('silu' = SwiGLU).")
+    activation_function: Literal["gelu", "gelu_new", "relu", "silu"] = field("silu", help="Gate activation of the MLP ('silu' = SwiGLU).", aliases=("activation",))
     initializer_range: float = field(0.02, help="Std of the normal weight init.")
     layer_norm_epsilon: float = field(1e-6, help="RMSNorm epsilon (HF rms_norm_eps).")
     rope_theta: float = field(10000.0, help="Rotary embedding base.")
@@ -157,6 +201,20 @@ class LlamaConfig(LmConfig):
     use_bias: bool = field(False, help="Biases in the attention and MLP projections (HF attention_bias and mlp_bias).")
     upcast_attn: bool = field(False, help="Compute attention in float32.")
     gradient_checkpointing: bool = field(True, help="Recompute each block's activations in the backward pass (saves memory, same results).", semantic=False)
+
+    @classmethod
+    def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """LLM-Trainer's ModelConfig keys (``docs/llm-trainer.md``): ``d_ff`` is an alias of
+        ``intermediate_dim``; ``dropout``/``attention_dropout`` must be 0 (Llama has no dropout
+        here); ``pre_norm: true`` accepted (Llama is pre-norm), false refused."""
+        data = _common_llm_trainer_raw(data, "llama")
+        for key in ("dropout", "attention_dropout"):
+            if key in data:
+                value = data.pop(key)
+                if value not in (0, 0.0):
+                    raise ConfigError(key, f"{value!r}: the llama family has no dropout here; use {key}: 0, or "
+                                      "type: gpt2 (resid/embed/attn dropout)")
+        return data
 
     @property
     def head_size(self) -> int:

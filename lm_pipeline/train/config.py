@@ -2,11 +2,16 @@
 
 Field names follow Levanter's ``TrainerConfig``; the spellings used in Levanter's guides
 (``batch_size``, ``per_device_train_parallelism``, ``eval_per_device_parallelism``,
-``trainer.wandb.*``) are accepted as aliases.
+``trainer.wandb.*``) are accepted as aliases. So are LLM-Trainer's (``docs/llm-trainer.md``):
+``gradient_accumulation_steps`` (a field), ``eval_steps``, ``logging_steps``,
+``per_device_batch_size`` (aliases), and ``save_steps``, ``save_total_limit``, ``use_amp``,
+``amp_dtype``, ``report_to`` (translated by :meth:`TrainerConfig.normalize_raw`). Note that
+``batch_size`` is Levanter's *global* batch here, not LLM-Trainer's per-device one.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -138,14 +143,21 @@ class TrainerConfig:
     num_train_steps: int | None = field(None, help="Optimizer steps to run. Give this, num_epochs or train_tokens (default 1000 steps).")
     num_epochs: float | None = field(None, help="Run length in passes over the training data, converted to steps from the data size.", semantic=True)
     train_tokens: int | None = field(None, help="Run length as a token budget, converted to steps (rounded up).")
-    train_batch_size: int = field(32, help="Global batch size in sequences.", aliases=("batch_size",))
+    train_batch_size: int = field(32, help="Global batch size in sequences: all devices and all accumulated micro-batches of one step (Levanter's batch_size; LLM-Trainer's per-device batch_size is per_device_batch_size).", aliases=("batch_size",))
     per_device_parallelism: int | Literal["auto"] = field(
         -1,
         help="Sequences per device per micro-batch; -1 = the whole batch (no gradient accumulation); 'auto' = the largest "
         "that divides the batch and fits device_memory_gib by the estimator (lm-pipeline estimate). Fewer than "
         "batch/devices means gradient accumulation.",
         semantic=False,
-        aliases=("per_device_train_parallelism",),
+        aliases=("per_device_train_parallelism", "per_device_batch_size"),
+    )
+    gradient_accumulation_steps: int | None = field(
+        None,
+        help="Micro-batches accumulated per optimizer step (LLM-Trainer's name); null = as per_device_parallelism "
+        "says. Each micro-batch is train_batch_size / gradient_accumulation_steps rows over the data-parallel "
+        "devices; checked against per_device_parallelism when both are given. Same update up to float rounding.",
+        semantic=False,
     )
     device_memory_gib: float | None = field(
         None,
@@ -160,16 +172,16 @@ class TrainerConfig:
         "of the platform this host trains on: f32 on CPU, p=f32,c=bfloat16 on GPU and TPU. 'auto' is resolved when "
         "the config is loaded, and the resolved policy is what the fingerprint hashes.",
     )
-    steps_per_eval: int = field(1000, help="Evaluate on the validation sets every this many steps (and at the end).", semantic=False)
+    steps_per_eval: int = field(1000, help="Evaluate on the validation sets every this many steps (and at the end).", semantic=False, aliases=("eval_steps",))
     max_eval_batches: int | None = field(None, help="Cap on eval batches per validation set; None = all.", semantic=False)
-    log_every: int = field(10, help="Log metrics every this many steps.", semantic=False)
+    log_every: int = field(10, help="Log metrics every this many steps.", semantic=False, aliases=("logging_steps",))
     progress: bool = field(True, help="Show a progress bar with ETA when attached to a terminal.", semantic=False)
     id: str | None = field(None, help="Run id; default derived from the run's fingerprint.", semantic=False)
     log_dir: str = field("logs", help="Python logs go to <log_dir>/<run_id>.log.", semantic=False)
     checkpointer: CheckpointerConfig = field(default_factory=CheckpointerConfig, help="Where and when to save checkpoints.", semantic=False)
     tracker: tuple[TrackerConfig, ...] = field((), help="Trackers besides the always-on JSONL log: wandb, tensorboard (a mapping or a list).", semantic=False)
     load_checkpoint: bool | None = field(None, help="Resume from the run's latest checkpoint: None = if one exists, true = must exist, false = never.", semantic=False)
-    load_checkpoint_path: str | None = field(None, help="Resume from the latest complete checkpoint found (recursively) under this path.", semantic=False)
+    load_checkpoint_path: str | None = field(None, help="Resume from the latest complete checkpoint found (recursively) under this path.", semantic=False, aliases=("resume_from_checkpoint",))
     initialize_from: str | None = field(None, help="Start a new run from the weights of this checkpoint (a step dir or a run dir).")
     batch_axis: str = field("batch", help="Logical axis of the batch (sharded over the mesh's data axis).", semantic=False)
     fsdp_axis: str | tuple[str, ...] | None = field("embed", help="Logical parameter axis (or axes) sharded over the data axis (FSDP/ZeRO-3); null = replicate parameters (plain data parallelism).", semantic=False)
@@ -194,6 +206,7 @@ class TrainerConfig:
 
     @classmethod
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
+        data = _llm_trainer_raw(data)
         tracker = data.get("tracker")
         if isinstance(tracker, dict):
             tracker = [tracker]
@@ -234,6 +247,7 @@ class TrainerConfig:
                 raise ConfigError(name, f"must be -1 (whole batch) or >= 1{extra}, got {v}")
         if self.device_memory_gib is not None and not self.device_memory_gib > 0:
             raise ConfigError("device_memory_gib", f"must be > 0 or null, got {self.device_memory_gib}")
+        self._validate_accumulation()
         if isinstance(self.per_device_parallelism, int) and self.per_device_parallelism > 0 and self.train_batch_size % self.per_device_parallelism:
             raise ConfigError(
                 "train_batch_size",
@@ -249,6 +263,24 @@ class TrainerConfig:
             for logical, mesh_axis in (getattr(self, name) or {}).items():
                 if mesh_axis not in (None, "data", "model"):
                     raise ConfigError(f"{name}.{logical}", f"mesh axis must be 'data', 'model' or null, got {mesh_axis!r}")
+
+    def _validate_accumulation(self) -> None:
+        gas, per = self.gradient_accumulation_steps, self.per_device_parallelism
+        if gas is None:
+            return
+        if gas < 1:
+            raise ConfigError("gradient_accumulation_steps", f"must be >= 1 (or null), got {gas}")
+        if self.train_batch_size % gas:
+            raise ConfigError("gradient_accumulation_steps", f"{gas} does not divide train_batch_size "
+                              f"({self.train_batch_size}, the global batch); e.g. train_batch_size "
+                              f"{max(gas, self.train_batch_size // gas * gas)} or {self.train_batch_size // gas * gas + gas}")
+        if per == "auto":
+            raise ConfigError("gradient_accumulation_steps", "give gradient_accumulation_steps or "
+                              "per_device_parallelism: auto, not both (auto chooses the accumulation)")
+        if isinstance(per, int) and per > 0 and self.train_batch_size % (per * gas):
+            raise ConfigError("gradient_accumulation_steps", f"train_batch_size ({self.train_batch_size}) must be "
+                              f"per_device_parallelism ({per}) x gradient_accumulation_steps ({gas}) x data-parallel "
+                              f"devices, but {per * gas} does not divide it")
 
     @property
     def precision(self) -> Precision:
@@ -279,7 +311,25 @@ class TrainerConfig:
         ``data_size`` data-parallel devices: the one place the batch's divisibility is checked.
 
         ``per_device``: the micro-batch per device; None or <= 0 = the whole batch at once.
+        With ``gradient_accumulation_steps`` set, the micro-batch is ``train_batch_size /
+        (gradient_accumulation_steps x data_size)`` and ``per_device``, when given, must equal it.
         """
+        gas = self.gradient_accumulation_steps
+        if gas is not None:
+            rows = self.train_batch_size // gas
+            if self.train_batch_size % gas or rows % data_size:
+                raise ConfigError("trainer.gradient_accumulation_steps",
+                                  f"train_batch_size {self.train_batch_size} / gradient_accumulation_steps {gas} = "
+                                  f"{self.train_batch_size / gas:g} rows per micro-batch, not divisible by the "
+                                  f"{data_size} data-parallel devices; use train_batch_size = per-device batch x "
+                                  f"{data_size} x {gas}")
+            if per_device is not None and per_device > 0 and per_device != rows // data_size:
+                raise ConfigError("trainer.gradient_accumulation_steps",
+                                  f"{gas} micro-batches of {rows} rows over {data_size} data-parallel devices are "
+                                  f"{rows // data_size} per device, but per_device_parallelism is {per_device}; drop "
+                                  f"one of them or set train_batch_size = {per_device} x {data_size} x {gas} = "
+                                  f"{per_device * data_size * gas}")
+            return rows // data_size, gas
         whole = per_device is None or per_device <= 0
         micro = self.train_batch_size // data_size if whole else per_device
         rows = max(1, micro) * data_size
@@ -290,7 +340,9 @@ class TrainerConfig:
         return max(1, micro), self.train_batch_size // rows
 
     def resolve_num_steps(self, num_sequences: int | None, seq_len: int) -> int:
-        """Optimizer steps for this run, converting epochs / token budgets with the data size."""
+        """Optimizer steps for this run, converting epochs / token budgets with the data size:
+        ``ceil(num_epochs * rows / train_batch_size)`` (batches run across epoch boundaries, so
+        every row is seen ``num_epochs`` times), ``ceil(train_tokens / (train_batch_size * seq_len))``."""
         if self.num_train_steps is not None:
             return self.num_train_steps
         if self.train_tokens is not None:
@@ -298,5 +350,82 @@ class TrainerConfig:
         if self.num_epochs is not None:
             if not num_sequences:
                 raise ConfigError("trainer.num_epochs", "needs the training data's size; build the cache first or give num_train_steps")
-            return max(1, round(self.num_epochs * num_sequences / self.train_batch_size))
+            # every row seen num_epochs times: the last (partial) batch's worth of rows is a whole step
+            return max(1, math.ceil(self.num_epochs * num_sequences / self.train_batch_size - 1e-9))
         return 1000
+
+
+# --- LLM-Trainer's TrainingConfig spellings (docs/llm-trainer.md) ----------------------------
+
+#: ``report_to`` values -> tracker types.
+REPORT_TO = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def _take(data: dict[str, Any], key: str, section: str | None = None) -> Any:
+    """``data.pop(key)``; ConfigError if ``section`` (the field it fills) is given too."""
+    if section is not None and section in data:
+        raise ConfigError(key, f"given twice (as {key} and as {section}); keep one")
+    return data.pop(key)
+
+
+def amp_to_mp(use_amp: Any, amp_dtype: Any) -> str:
+    """LLM-Trainer's ``use_amp`` / ``amp_dtype`` as a ``trainer.mp`` policy: ``use_amp: false`` ->
+    ``f32``; ``use_amp: true`` with ``amp_dtype`` -> parameters f32, compute in that dtype (float16
+    gets dynamic loss scaling, as PyTorch's GradScaler does); without ``amp_dtype`` -> ``auto``
+    (bf16 compute on GPU/TPU, f32 on CPU, where PyTorch's CUDA autocast does nothing either)."""
+    if not isinstance(use_amp, bool):
+        raise ConfigError("use_amp", f"expected true or false, got {use_amp!r}")
+    if not use_amp:
+        return "f32"
+    if amp_dtype is None:
+        return AUTO_MP
+    if not isinstance(amp_dtype, str) or amp_dtype not in _DTYPES or _DTYPES[amp_dtype] == "float32":
+        raise ConfigError("amp_dtype", f"must be 'float16' or 'bfloat16' (or f16, bf16), got {amp_dtype!r}")
+    return f"p=f32,c={_DTYPES[amp_dtype]}"
+
+
+def report_to_trackers(value: Any) -> list[dict[str, Any]]:
+    """LLM-Trainer's ``report_to`` (a name or a list: tensorboard, wandb; none / [] = no tracker) as
+    ``trainer.tracker`` entries."""
+    names = [value] if isinstance(value, str) else value
+    if names is None or names == "none":
+        return []
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ConfigError("report_to", f"expected a list of tracker names (tensorboard, wandb), got {value!r}")
+    out = []
+    for name in names:
+        if name == "none":
+            continue
+        if name not in REPORT_TO:
+            raise ConfigError("report_to", f"{name!r} is not a tracker here; use tensorboard or wandb (the "
+                              "JSONL metrics log is always written)")
+        out.append({"type": REPORT_TO[name]})
+    return out
+
+
+def _llm_trainer_raw(data: dict[str, Any]) -> dict[str, Any]:
+    """LLM-Trainer's TrainingConfig keys that are not plain aliases, rewritten to ours:
+    ``use_amp``/``amp_dtype`` -> ``mp``, ``report_to`` -> ``tracker``, ``save_steps``,
+    ``save_total_limit`` and ``checkpoint_dir`` -> ``checkpointer`` (its keep rule ``every``,
+    ``keep_last``, ``base_path``)."""
+    if "use_amp" in data or "amp_dtype" in data:
+        if "mp" in data:
+            raise ConfigError("use_amp" if "use_amp" in data else "amp_dtype",
+                              "given together with mp; keep one (mp: 'p=f32,c=bfloat16' is use_amp with bfloat16)")
+        use_amp = data.pop("use_amp", True)
+        data["mp"] = amp_to_mp(use_amp, data.pop("amp_dtype", None))
+    if "report_to" in data:
+        data["tracker"] = report_to_trackers(_take(data, "report_to", "tracker"))
+    moved = {k: data.pop(k) for k in ("save_steps", "save_total_limit", "checkpoint_dir") if k in data}
+    if moved:
+        ckpt = data.get("checkpointer")
+        ckpt = {} if ckpt is None else ckpt
+        if not isinstance(ckpt, dict):
+            raise ConfigError("checkpointer", "expected a mapping")
+        if "checkpoint_dir" in moved:
+            moved["base_path"] = moved.pop("checkpoint_dir")
+        for key in moved:
+            if key in ckpt:
+                raise ConfigError(key, f"given twice (as trainer.{key} and as trainer.checkpointer.{key})")
+        data["checkpointer"] = {**ckpt, **moved}
+    return data

@@ -94,6 +94,8 @@ class StepFunctions:
     compute: ComputePlan
     poisoned_steps: tuple[int, ...] = ()  # 1-based steps the loop runs with poisoned_train_step
     poisoned_train_step: StepFn | None = None
+    micro_batch_rows: int = 0  # rows of one micro-batch over all data-parallel devices
+    accumulation_steps: int = 1  # micro-batches accumulated by train_step (what its scan runs)
 
 
 def micro_batches(trainer_cfg: TrainerConfig, plan: MeshPlan) -> tuple[int, int]:
@@ -188,6 +190,8 @@ def build_step_functions(
     """
     precision: Precision = trainer_cfg.precision
     micro, accum = micro_batches(trainer_cfg, plan)
+    log.info("train step: %d micro-batch(es) of %d rows (%d per data-parallel device) per optimizer step", accum,
+             micro, micro // plan.data_size)
     if compute is None:
         compute = plan_for_mesh(plan.mesh, precision.compute, loss_scaling=precision.uses_loss_scaling)
     lay = _layout(model_cfg, opt_cfg, precision, vocab_size, num_train_steps, plan)
@@ -210,6 +214,8 @@ def build_step_functions(
         compute=compute,
         poisoned_steps=poisoned,
         poisoned_train_step=jit_train(True) if poisoned else None,
+        micro_batch_rows=micro,
+        accumulation_steps=ctx.accum,
     )
 
 

@@ -4,7 +4,8 @@ Keep policy (Levanter's): a step ``N >= 1`` is saved as *permanent* if the first
 whose ``until`` is null or ``>= N`` has ``N % every == 0``; otherwise a *temporary* checkpoint is
 saved once ``save_interval`` wall time has passed since the last save. A temporary checkpoint is
 deleted after a newer checkpoint is complete. ``force=True`` (end of training) saves a permanent
-one. ``keep_last=K`` keeps only the K permanent checkpoints with the largest steps. With
+one. ``keep_last=K`` keeps only the K permanent checkpoints with the largest steps. LLM-Trainer's
+``save_steps: N`` means ``keep: [{every: N}]`` and its ``save_total_limit`` is ``keep_last``. With
 ``keep_best``, an eval loss lower than any before forces a save at that step and ``best/`` becomes a
 self-contained copy of it. Deletion is in :mod:`.retention`.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from lm_pipeline.schema import ConfigError, field
 
@@ -90,12 +92,24 @@ class CheckpointerConfig:
         None,
         help="Keep only the last K permanent checkpoints (by step); null keeps all of them.",
         semantic=False,
+        aliases=("save_total_limit",),
     )
     keep_best: bool = field(
         False,
         help="Keep a copy best/ of the checkpoint with the lowest eval loss; an improving eval forces a save.",
         semantic=False,
     )
+
+    @classmethod
+    def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """LLM-Trainer's ``save_steps: N`` is the keep rule ``keep: [{every: N}]`` (a permanent
+        checkpoint every N steps; its ``save_total_limit`` is ``keep_last``, an alias)."""
+        if "save_steps" in data:
+            every = data.pop("save_steps")
+            if "keep" in data:
+                raise ConfigError("save_steps", "given together with keep; keep one (save_steps: N is keep: [{every: N}])")
+            data["keep"] = [{"every": every}]
+        return data
 
     def validate(self) -> None:
         try:
