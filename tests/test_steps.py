@@ -55,7 +55,7 @@ EXPECTED_SEMANTIC = {
     # trainer: what determines the weights is semantic; cadence, layout, paths, trackers are not
     "trainer.seed": True, "trainer.num_train_steps": True, "trainer.num_epochs": True, "trainer.train_tokens": True,
     "trainer.train_batch_size": True, "trainer.mp": True, "trainer.initialize_from": True,
-    "trainer.per_device_parallelism": False, "trainer.device_memory_gib": False, "trainer.per_device_eval_parallelism": False,
+    "trainer.per_device_parallelism": False, "trainer.gradient_accumulation_steps": False, "trainer.device_memory_gib": False, "trainer.per_device_eval_parallelism": False,
     "trainer.steps_per_eval": False, "trainer.max_eval_batches": False, "trainer.log_every": False,
     "trainer.progress": False, "trainer.id": False, "trainer.log_dir": False,
     "trainer.checkpointer.base_path": False, "trainer.checkpointer.save_interval": False,

@@ -121,6 +121,8 @@ def _train_config(pipe: Pipeline) -> Any:
             "optimizer": semantic_view(cfg.optimizer), "packing": cfg.data.packing}
     if cfg.data.shuffle != "epoch":  # the row order; absent for the default, so existing runs keep their address
         conf["shuffle"] = {"order": cfg.data.shuffle, "era_length": cfg.data.era_length}
+    if cfg.trainer.num_epochs is not None:  # epochs -> steps rounds up (it rounded to nearest before)
+        conf["epochs_to_steps"] = "ceil"
     return conf
 
 
