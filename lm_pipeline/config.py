@@ -298,13 +298,43 @@ def _spellings_to_drop(raw: dict[str, Any], parts: list[str]) -> list[tuple[dict
     return out
 
 
+#: Keys that another framework's spelling sets through a translation rather than an alias (LLM
+#: Trainer's ``use_amp`` becomes ``mp``): an override of either side replaces the file's other side.
+TRANSLATED_KEYS: tuple[tuple[str, ...], ...] = (
+    ("trainer.mp", "trainer.use_amp", "trainer.amp_dtype"),
+    ("trainer.tracker", "trainer.report_to"),
+    ("trainer.checkpointer.keep", "trainer.save_steps"),
+    ("trainer.checkpointer.keep_last", "trainer.save_total_limit"),
+    ("trainer.checkpointer.base_path", "trainer.checkpoint_dir"),
+    ("model.mlp_scale", "model.d_ff"),
+    ("model.attn_pdrop", "model.attention_dropout"),
+)
+
+
+def _translated_to_drop(raw: dict[str, Any], key: str) -> list[tuple[dict[str, Any], str]]:
+    out = []
+    for group in TRANSLATED_KEYS:
+        if key not in group:
+            continue
+        for other in group:
+            *parents, leaf = other.split(".")
+            node: Any = raw
+            for part in parents:
+                node = node.get(part) if isinstance(node, dict) else None
+            if other != key and isinstance(node, dict) and leaf in node:
+                out.append((node, leaf))
+    return out
+
+
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     """Set each dotted key; an override replaces the file's value of that field whichever
-    spelling (name or alias) either uses. Two spellings within one file stay an error."""
+    spelling (name, alias, or a translated key such as LLM Trainer's ``use_amp`` for ``mp``)
+    either uses. Two spellings within one file stay an error."""
     for key, value in overrides:
         parts = key.split(".")
-        for mapping, spelling in _spellings_to_drop(raw, parts):
-            del mapping[spelling]
+        for mapping, spelling in [*_spellings_to_drop(raw, parts), *_translated_to_drop(raw, key)]:
+            if spelling in mapping:
+                del mapping[spelling]
         node = raw
         for i, part in enumerate(parts[:-1]):
             nxt = node.get(part)

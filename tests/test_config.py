@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lm_pipeline.config import RunConfig, dump_config, load_config, parse_overrides
 from lm_pipeline.models import Gpt2Config, LlamaConfig
@@ -265,3 +266,20 @@ def test_two_spellings_in_one_file_still_fail(tmp_path):
     with pytest.raises(ConfigError, match="trainer.batch_size.*given twice") as info:
         load_config(path)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("file_section, cli, check", [
+    ({"trainer": {"use_amp": True, "amp_dtype": "float16"}}, ["--trainer.mp", "f32"], lambda c: c.trainer.mp == "f32"),
+    ({"trainer": {"mp": "p=f32,c=bfloat16"}}, ["--trainer.use_amp", "false"], lambda c: c.trainer.mp == "f32"),
+    ({"trainer": {"report_to": ["tensorboard"]}}, ["--trainer.tracker", "[]"], lambda c: c.trainer.tracker == ()),
+    ({"trainer": {"save_steps": 100}}, ["--trainer.checkpointer.keep", "[{every: 5}]"],
+     lambda c: [k.every for k in c.trainer.checkpointer.keep] == [5]),
+    ({"trainer": {"checkpoint_dir": "a"}}, ["--trainer.checkpointer.base_path", "b"],
+     lambda c: c.trainer.checkpointer.base_path == "b"),
+    ({"model": {"hidden_dim": 64, "num_heads": 2, "d_ff": 128}}, ["--model.mlp_scale", "3"],
+     lambda c: c.model.mlp_scale == 3),
+])
+def test_cli_override_replaces_a_translated_llm_trainer_key_of_the_file(tmp_path, file_section, cli, check):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(file_section))
+    assert check(load_config(path, cli))
