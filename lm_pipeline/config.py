@@ -298,32 +298,65 @@ def _spellings_to_drop(raw: dict[str, Any], parts: list[str]) -> list[tuple[dict
     return out
 
 
-#: Keys that another framework's spelling sets through a translation rather than an alias (LLM
-#: Trainer's ``use_amp`` becomes ``mp``): an override of either side replaces the file's other side.
-TRANSLATED_KEYS: tuple[tuple[str, ...], ...] = (
-    ("trainer.mp", "trainer.use_amp", "trainer.amp_dtype"),
-    ("trainer.tracker", "trainer.report_to"),
-    ("trainer.checkpointer.keep", "trainer.save_steps"),
-    ("trainer.checkpointer.keep_last", "trainer.save_total_limit"),
-    ("trainer.checkpointer.base_path", "trainer.checkpoint_dir"),
-    ("model.mlp_scale", "model.d_ff"),
-    ("model.attn_pdrop", "model.attention_dropout"),
+#: Fields that another framework's keys set through a translation rather than an alias
+#: (targets, sources): LLM Trainer's ``use_amp``/``amp_dtype`` become ``mp``; its ``dropout`` sets
+#: two fields. An override of a target replaces what the file's sources said of it (and only of
+#: it); an override of a source replaces the file's targets.
+TRANSLATED_KEYS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (("trainer.mp",), ("trainer.use_amp", "trainer.amp_dtype")),
+    (("trainer.tracker",), ("trainer.report_to",)),
+    (("trainer.checkpointer.keep",), ("trainer.save_steps",)),
+    (("trainer.checkpointer.keep_last",), ("trainer.save_total_limit",)),
+    (("trainer.checkpointer.base_path",), ("trainer.checkpoint_dir",)),
+    (("model.mlp_scale",), ("model.d_ff",)),
+    (("model.resid_pdrop", "model.embed_pdrop"), ("model.dropout",)),
+    (("model.attn_pdrop",), ("model.attention_dropout",)),
 )
 
 
-def _translated_to_drop(raw: dict[str, Any], key: str) -> list[tuple[dict[str, Any], str]]:
-    out = []
-    for group in TRANSLATED_KEYS:
-        if key not in group:
-            continue
-        for other in group:
-            *parents, leaf = other.split(".")
-            node: Any = raw
-            for part in parents:
-                node = node.get(part) if isinstance(node, dict) else None
-            if other != key and isinstance(node, dict) and leaf in node:
-                out.append((node, leaf))
-    return out
+def _parent(raw: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None, str]:
+    *parents, leaf = dotted.split(".")
+    node: Any = raw
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    return (node if isinstance(node, dict) else None), leaf
+
+
+def _replace_translated(raw: dict[str, Any], key: str) -> None:
+    """Before the override ``key`` is set: take out what the file says of the same field through
+    a translated key (see :data:`TRANSLATED_KEYS`), keeping what it says of other fields."""
+    for targets, sources in TRANSLATED_KEYS:
+        if key in targets:
+            for source in sources:
+                node, leaf = _parent(raw, source)
+                if node is None or leaf not in node:
+                    continue
+                value = node.pop(leaf)
+                for other in targets:  # e.g. dropout: the field not overridden keeps the file's value
+                    if other != key:
+                        tnode, tleaf = _parent(raw, other)
+                        if tnode is not None and tleaf not in tnode:
+                            tnode[tleaf] = value
+        elif key in sources:
+            for target in targets:
+                node, leaf = _parent(raw, target)
+                if node is not None and leaf in node:
+                    del node[leaf]
+
+
+def _top_level_checkpointer(raw: dict[str, Any], key: str) -> str:
+    """Levanter's guide writes ``checkpointer:`` at the top level: with an override of
+    ``trainer.checkpointer.*`` (or ``checkpointer.*``) the file's block moves under ``trainer``
+    first, so the override edits it; the override's key in its ``trainer.`` spelling."""
+    if key == "checkpointer" or key.startswith("checkpointer."):
+        key = f"trainer.{key}"
+    if key.startswith("trainer.checkpointer") and isinstance(raw.get("checkpointer"), dict):
+        trainer = raw.get("trainer")
+        if trainer is None:
+            trainer = raw["trainer"] = {}
+        if isinstance(trainer, dict) and "checkpointer" not in trainer:
+            trainer["checkpointer"] = raw.pop("checkpointer")
+    return key
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
@@ -331,10 +364,11 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -
     spelling (name, alias, or a translated key such as LLM Trainer's ``use_amp`` for ``mp``)
     either uses. Two spellings within one file stay an error."""
     for key, value in overrides:
+        key = _top_level_checkpointer(raw, key)
         parts = key.split(".")
-        for mapping, spelling in [*_spellings_to_drop(raw, parts), *_translated_to_drop(raw, key)]:
-            if spelling in mapping:
-                del mapping[spelling]
+        for mapping, spelling in _spellings_to_drop(raw, parts):
+            del mapping[spelling]
+        _replace_translated(raw, key)
         node = raw
         for i, part in enumerate(parts[:-1]):
             nxt = node.get(part)

@@ -278,6 +278,19 @@ def test_two_spellings_in_one_file_still_fail(tmp_path):
      lambda c: c.trainer.checkpointer.base_path == "b"),
     ({"model": {"hidden_dim": 64, "num_heads": 2, "d_ff": 128}}, ["--model.mlp_scale", "3"],
      lambda c: c.model.mlp_scale == 3),
+    # dropout sets two fields: overriding one keeps the file's value for the other
+    ({"model": {"dropout": 0.1}}, ["--model.resid_pdrop", "0.0"],
+     lambda c: (c.model.resid_pdrop, c.model.embed_pdrop) == (0.0, 0.1)),
+    ({"model": {"resid_pdrop": 0.2, "embed_pdrop": 0.3}}, ["--model.dropout", "0.1"],
+     lambda c: (c.model.resid_pdrop, c.model.embed_pdrop) == (0.1, 0.1)),
+    # use_amp and amp_dtype are two sources of mp: overriding one keeps the other
+    ({"trainer": {"use_amp": True, "amp_dtype": "bfloat16"}}, ["--trainer.use_amp", "true"],
+     lambda c: c.trainer.mp == "p=f32,c=bfloat16"),
+    # Levanter's top-level checkpointer: block, edited by the guide's --trainer.checkpointer.* overrides
+    ({"checkpointer": {"keep": [{"every": 1000}]}}, ["--trainer.checkpointer.base_path", "ckpts/"],
+     lambda c: c.trainer.checkpointer.base_path == "ckpts/" and [k.every for k in c.trainer.checkpointer.keep] == [1000]),
+    ({"checkpointer": {"save_interval": "15m"}}, ["--checkpointer.save_interval", "20m"],
+     lambda c: c.trainer.checkpointer.save_interval == "20m"),
 ])
 def test_cli_override_replaces_a_translated_llm_trainer_key_of_the_file(tmp_path, file_section, cli, check):
     path = tmp_path / "run.yaml"

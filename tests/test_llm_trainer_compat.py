@@ -15,8 +15,8 @@ import yaml
 
 from lm_pipeline.batch import LmBatch
 from lm_pipeline.compat.llm_trainer import DataConfig, ModelConfig, TrainingConfig, fit_warmup, to_run_config
-from lm_pipeline.config import load_config
-from lm_pipeline.schema import ConfigError, to_dict
+from lm_pipeline.config import RunConfig, load_config
+from lm_pipeline.schema import ConfigError, from_dict, to_dict
 from lm_pipeline.train.sharding import make_mesh
 from lm_pipeline.train.trainer import build_step_functions, put_batch
 
@@ -108,8 +108,9 @@ LOCAL = dict(dataset_name=None, builtin="python_stdlib", max_length=32)
     (lambda: load_config(None, {"model.pre_norm": False}), "pre_norm"),
     (lambda: load_config(None, {"model.vocab_size": 50000}), "vocab_size"),
     (lambda: load_config(None, {"model.type": "llama", "model.dropout": 0.1}), "dropout"),
-    (lambda: load_config(None, {"model.d_ff": 1024, "model.mlp_scale": 4}), "d_ff"),
-    (lambda: load_config(None, {"trainer.use_amp": True, "trainer.mp": "f32"}), "use_amp"),
+    # both spellings in one file (an override of one replaces the other: tests/test_config.py)
+    (lambda: from_dict(RunConfig, {"model": {"d_ff": 1024, "mlp_scale": 4}}), "d_ff"),
+    (lambda: from_dict(RunConfig, {"trainer": {"use_amp": True, "mp": "f32"}}), "use_amp"),
     (lambda: load_config(None, {"trainer.amp_dtype": "int8"}), "amp_dtype"),
     (lambda: load_config(None, {"trainer.report_to": ["mlflow"]}), "report_to"),
     (lambda: load_config(None, {"trainer.train_batch_size": 30, "trainer.gradient_accumulation_steps": 4}),

@@ -160,6 +160,17 @@ def test_waiting_on_a_dead_builder_fails_in_one_line(tmp_path, tokdir, monkeypat
     with pytest.raises(CacheError, match="closed"):
         waiting.rows_ready(len(waiting) + 1)
     assert time.monotonic() - t0 < 5
+    # a live builder may spend longer than the timeout on one shard group: training keeps waiting
+    alive = GrowingCacheDataset(tmp_path / "c", T, poll_s=0.05, stall_timeout_s=0.2, builder_alive=lambda: True)
+    threading.Timer(1.0, alive.close).start()
+    t0 = time.monotonic()
+    with pytest.raises(CacheError, match="closed"):
+        alive.rows_ready(len(alive) + 1)
+    assert time.monotonic() - t0 >= 0.9  # waited past five timeouts, stopped only by close()
+    # a builder that stopped: its own one-line message at once
+    dead = GrowingCacheDataset(tmp_path / "c", T, poll_s=0.05, stall_timeout_s=60, builder_alive=lambda: False)
+    with pytest.raises(CacheStalledError, match="its builder stopped before committing"):
+        dead.rows_ready(len(dead) + 1)
     # greedy / first_fit rows need the whole cache: refused in one line naming the fields
     from lm_pipeline.schema import ConfigError
 

@@ -216,3 +216,12 @@ def test_seed_config_trains_three_steps_shrunk(name, tmp_path, tmp_path_factory,
         assert str(res.manifest["inputs"].get("hf_weights", "")).startswith("sha256:"), res.manifest["inputs"]
     if raw.get("checkpointer"):
         assert [k.every for k in cfg.trainer.checkpointer.keep] == [1000, 5000, 10000]
+
+
+def test_guide_resume_command_edits_a_top_level_checkpointer_block():
+    """The guide's ``--trainer.checkpointer.*`` overrides over its top-level ``checkpointer:`` block:
+    the block's keep policy stays, the overrides apply."""
+    args, check = COMMANDS["resume"]
+    cfg = load_config(FIXTURES / "config-guide-checkpointer-keep.yaml", args.split())
+    assert check(cfg) and cfg.trainer.checkpointer.base_path == "checkpoints/gpt2/"
+    assert [(k.every, k.until) for k in cfg.trainer.checkpointer.keep] == [(1000, 10000), (5000, 40000), (10000, None)]

@@ -184,7 +184,11 @@ class GrowingCacheDataset:
         self.expected_tokenizer_fingerprint = expected_tokenizer_fingerprint
         self.poll_s = float(poll_s)
         if stall_timeout_s is None:
-            stall_timeout_s = float(os.environ.get("LM_PIPELINE_CACHE_STALL_S", STALL_TIMEOUT_S))
+            raw = os.environ.get("LM_PIPELINE_CACHE_STALL_S", "")
+            try:
+                stall_timeout_s = float(raw) if raw.strip() else STALL_TIMEOUT_S
+            except ValueError:
+                raise ValueError(f"LM_PIPELINE_CACHE_STALL_S={raw!r}: expected a number of seconds") from None
         self.stall_timeout_s = float(stall_timeout_s)
         self.builder_alive = builder_alive
         self._lock = threading.Lock()  # guards the snapshot
@@ -238,6 +242,8 @@ class GrowingCacheDataset:
         """Block until at least ``need`` rows are committed or the cache is complete: the number
         of rows once complete, else None. Raises :class:`CacheStalledError` (one line) when the
         builder stopped, or nothing new was committed for ``stall_timeout_s``, before that."""
+        if not self.complete and self._rows >= need:  # enough rows already: no ledger read per step
+            return None
         with self._wait_lock:
             last_key, last_change = None, time.monotonic()
             while True:
@@ -251,14 +257,17 @@ class GrowingCacheDataset:
                 now = time.monotonic()
                 if key != last_key:
                     last_key, last_change = key, now
-                if self.builder_alive is not None and not self.builder_alive():
-                    self._refresh()  # it may have finished between the two reads
-                    if self.complete or self._rows >= need:
-                        continue
-                    raise CacheStalledError(
-                        f"token cache {self.location}: its builder stopped before committing the {need} rows "
-                        f"training needs ({self._state()}); see the builder's error, then rerun (the build resumes)")
-                if now - last_change > self.stall_timeout_s:
+                if self.builder_alive is not None:
+                    if not self.builder_alive():
+                        self._refresh()  # it may have finished between the two reads
+                        if self.complete or self._rows >= need:
+                            continue
+                        raise CacheStalledError(
+                            f"token cache {self.location}: its builder stopped before committing the {need} rows "
+                            f"training needs ({self._state()}); see the builder's error, then rerun (the build "
+                            "resumes)")
+                    last_change = now  # a live builder may spend long on one shard group: no timeout
+                elif now - last_change > self.stall_timeout_s:
                     raise CacheStalledError(
                         f"token cache {self.location}: nothing new committed for {self.stall_timeout_s:g} s while "
                         f"training waits for {need} rows ({self._state()}); its builder seems to have died: "
