@@ -194,6 +194,8 @@ def _lineage(cfg, args: argparse.Namespace) -> int:
     except lin.LineageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if not args.store:  # the config's store: its token caches may be in data.cache_dir
+        store = store.with_stage_root("token_cache", cfg.data.cache_dir)
     steps = lin.lineage(store, stage, fp)
     print(lin.to_json(steps) if args.json else lin.format_lineage(steps))
     broken = lin.broken_links(steps)

@@ -100,13 +100,13 @@ class ArtifactStore:
 
     def __init__(self, root: str, stage_roots: dict[str, str] | None = None):
         self.root = root.rstrip("/")
-        self.stage_roots = {k: v.rstrip("/") for k, v in (stage_roots or {}).items() if v}
+        self.stage_roots = {k: fs.norm(v) for k, v in (stage_roots or {}).items() if v}
 
     def with_stage_root(self, stage: str, root: str | None) -> ArtifactStore:
         """This store with ``stage`` at ``root`` (None: where it was)."""
         if not root:
             return self
-        return ArtifactStore(self.root, {**self.stage_roots, stage: root})
+        return ArtifactStore(self.root, {**self.stage_roots, stage: fs.norm(root)})
 
     def stage_dir(self, stage: str) -> str:
         """The directory holding ``stage``'s artifacts."""
@@ -121,19 +121,42 @@ class ArtifactStore:
     def _pointer_path(self, stage: str, fp: str) -> str:
         return f"{self.root}/{stage}/{fp}/{LOCATION}"
 
-    def locate(self, stage: str, fp: str) -> Artifact:
-        """Where the artifact is: its address here, or where a pointer left by a store that kept
-        this stage elsewhere says (the address here when neither has it)."""
-        art = self.artifact(stage, fp)
-        if stage in self.stage_roots or fs.exists(art.manifest_path):
-            return art
+    def _home(self, stage: str, fp: str) -> Artifact:
+        return Artifact(stage, fp, f"{self.root}/{stage}/{fp}")
+
+    def _pointed(self, stage: str, fp: str) -> Artifact | None:
         try:
             text = fs.read_text(self._pointer_path(stage, fp))
             where = json.loads(text)["path"] if text else None
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             log.warning("%s: unreadable pointer (%s); ignoring it", self._pointer_path(stage, fp), e)
-            where = None
-        return Artifact(stage, fp, where) if isinstance(where, str) and where else art
+            return None
+        return Artifact(stage, fp, where) if isinstance(where, str) and where else None
+
+    def locate(self, stage: str, fp: str) -> Artifact:
+        """Where the artifact is: the first of its address here, its usual address under the root
+        (a stage kept elsewhere may have been built before it was), and where a pointer says,
+        that holds a manifest; its address here when none does."""
+        art = self.artifact(stage, fp)
+        if fs.exists(art.manifest_path):
+            return art
+        home = self._home(stage, fp)
+        if home.path != art.path and fs.exists(home.manifest_path):
+            return home
+        pointed = self._pointed(stage, fp)
+        if pointed is not None and pointed.path != art.path and fs.exists(pointed.manifest_path):
+            return pointed
+        return art
+
+    def remember(self, art: Artifact) -> None:
+        """Leave a pointer at the usual address to a complete artifact kept elsewhere (once: a
+        hit in a shared ``cache_dir`` by an experiment of another store makes the pointer that
+        the lineage of its runs follows)."""
+        if art.path == self._home(art.stage, art.fingerprint).path:
+            return
+        pointed = self._pointed(art.stage, art.fingerprint)
+        if pointed is None or pointed.path != fs.norm(art.path):
+            atomic_write_text(self._pointer_path(art.stage, art.fingerprint), json.dumps({"path": fs.norm(art.path)}))
 
     def manifest(self, stage: str, fp: str) -> dict[str, Any] | None:
         """The manifest of a complete artifact (followed through a pointer), or None."""
@@ -187,8 +210,7 @@ class ArtifactStore:
         faultpoint(f"{art.stage}.before_manifest")  # the payload is written, the marker not yet
         atomic_write_text(art.manifest_path, text, fault=f"{art.stage}.manifest_tmp_written")
         remove_stale_temps(art.manifest_path)  # temporary manifests of writers killed mid-write
-        if art.path != f"{self.root}/{art.stage}/{art.fingerprint}":  # kept elsewhere: leave a pointer
-            atomic_write_text(self._pointer_path(art.stage, art.fingerprint), json.dumps({"path": art.path}))
+        self.remember(art)  # kept elsewhere (data.cache_dir): a pointer at the usual address
         return manifest
 
     @contextlib.contextmanager
@@ -197,7 +219,8 @@ class ArtifactStore:
         module docstring); ``timeout`` in seconds, None waits forever."""
         with contextlib.ExitStack() as stack:
             try:
-                stack.enter_context(fs.exclusive_lock(f"{self.stage_dir(art.stage)}/.{art.fingerprint}.lock", timeout))
+                # under the root even for a stage kept elsewhere: a local root locks a bucket's cache
+                stack.enter_context(fs.exclusive_lock(f"{self.root}/{art.stage}/.{art.fingerprint}.lock", timeout))
             except TimeoutError:
                 raise TimeoutError(f"another process is building {art.path}") from None
             yield

@@ -159,6 +159,26 @@ def test_data_cache_dir_holds_the_token_cache_and_the_store_points_to_it(s3_buck
     steps = {s["stage"]: s for s in lin.lineage(str(tmp_path / "store"), "token_cache", fp)}
     assert steps["token_cache"]["status"] == "complete" and steps["token_cache"]["path"] == f"{shared}/{fp}"
     assert steps["tokenizer"]["status"] == steps["raw_shards"]["status"] == "complete"
+    # Another experiment's store sharing the cache_dir: a hit there, and its store gets the pointer.
+    other = _pipe(tmp_path, str(tmp_path / "other-store"), data={"cache_dir": shared})
+    hit = other.token_cache()
+    assert hit.hit and hit.path == f"{shared}/{fp}" and _objects(s3_bucket) == objects
+    assert json.loads((tmp_path / "other-store" / "token_cache" / fp / "location.json").read_text())["path"] == hit.path
+    # cache_dir turned on where the cache was built in the store: that cache, not a second build.
+    late = _pipe(tmp_path, str(tmp_path / "ref-store"), data={"cache_dir": s3_bucket.url("late")})
+    found = late.token_cache()
+    assert found.hit and found.path == ref.path
+    assert not any(k.startswith("late/") for k in _objects(s3_bucket))
+    # A relative cache_dir is recorded as an absolute path (the pointer is read from anywhere).
+    rel = _pipe(tmp_path, str(tmp_path / "rel-store"), data={"cache_dir": "caches"})
+    built = rel.token_cache()
+    assert built.path == str(tmp_path / "caches" / fp)
+    assert json.loads((tmp_path / "rel-store" / "token_cache" / fp / "location.json").read_text())["path"] == built.path
+    # A cache_dir on a bucket that does not exist fails the preflight in one line naming the field.
+    missing = _pipe(tmp_path, str(tmp_path / "store"), data={"cache_dir": "s3://no-such-bucket-cache/c"})
+    with pytest.raises(ConfigError, match=r"data\.cache_dir.*no-such-bucket-cache") as err:
+        missing.preflight()
+    assert "\n" not in str(err.value)
     _no_local_scheme_dirs(tmp_path)
 
 

@@ -143,6 +143,8 @@ class Pipeline:
         cfg = self.cfg
         data = cfg.data
         out = [("store.root", self.store.root)]
+        if data.cache_dir:
+            out.append(("data.cache_dir", data.cache_dir))
         out += [(f"data.{where}", u) for where, urls in (("train_urls", data.train_urls),
                                                          ("validation_urls", data.validation_urls),
                                                          *((f"validation.{n}", u) for n, u in data.validation.items()))
@@ -276,8 +278,15 @@ class Pipeline:
         manifest = self.store.manifest(name, addr.fingerprint)
         if manifest is None:
             return None
-        path = self.store.locate(name, addr.fingerprint).path  # data.cache_dir: perhaps elsewhere
+        path = self._located(name, addr.fingerprint)
         return StageResult(name, addr.fingerprint, path, True, manifest, time.perf_counter() - t0)
+
+    def _located(self, name: str, fp: str) -> str:
+        """The path of a complete artifact (data.cache_dir: perhaps outside the store, which then
+        keeps a pointer to it)."""
+        art = self.store.locate(name, fp)
+        self.store.remember(art)
+        return art.path
 
     def run(self, name: str, write: Writer, step: int | None = None, *, staged: bool = False) -> StageResult:
         """Build stage ``name`` with ``write`` unless it is complete; commit its manifest last.
@@ -293,7 +302,7 @@ class Pipeline:
         t0 = time.perf_counter()
         manifest = self.store.manifest(name, addr.fingerprint)
         if manifest is not None:
-            path = self.store.locate(name, addr.fingerprint).path  # data.cache_dir: perhaps elsewhere
+            path = self._located(name, addr.fingerprint)
             log.info("%s %s: cache hit (%s)", name, addr.fingerprint, path)
             return StageResult(name, addr.fingerprint, path, True, manifest, time.perf_counter() - t0)
         follower = name in DISTRIBUTED_STAGES and process_index(self.cfg) > 0
@@ -301,7 +310,7 @@ class Pipeline:
             with contextlib.nullcontext() if follower else self.store.lock(art):
                 manifest = self.store.manifest(name, addr.fingerprint)  # another writer may have finished
                 if manifest is not None:
-                    return StageResult(name, addr.fingerprint, self.store.locate(name, addr.fingerprint).path, True,
+                    return StageResult(name, addr.fingerprint, self._located(name, addr.fingerprint), True,
                                        manifest, time.perf_counter() - t0)
                 log.info("%s %s: building at %s%s", name, addr.fingerprint, art.path,
                          f" (process {process_index(self.cfg)}: process 0 commits it)" if follower else "")
