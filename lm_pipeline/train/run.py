@@ -67,6 +67,8 @@ def run_id_for(cfg: RunConfig, data_fingerprint: str | None = None) -> str:
         inputs["hf_weights"] = hf_weights_identity(cfg.initialize_from_hf)
     if cfg.data.shuffle != "epoch":  # the row order (absent for the default: existing ids unchanged)
         semantic["shuffle"] = {"order": cfg.data.shuffle, "era_length": cfg.data.era_length}
+    if cfg.trainer.num_epochs is not None:  # epochs round up to steps (to nearest before): a new id
+        semantic["epochs_to_steps"] = "ceil"
     return "run-" + fingerprint("train_ckpt", semantic, TRAIN_CODE_VERSION, inputs)
 
 
