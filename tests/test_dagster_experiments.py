@@ -103,6 +103,7 @@ def _materializations(result) -> dict[str, list]:
     return out
 
 
+@pytest.mark.slow  # two experiments through Dagster, several materializations: ~25 s
 def test_two_experiments_share_stages_and_go_stale_exactly_as_the_plan_says(tmp_path):
     d = Deployed(tmp_path, dg.DagsterInstance.ephemeral())
     first = d.run()

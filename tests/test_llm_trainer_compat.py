@@ -252,6 +252,7 @@ def test_two_accumulated_microbatches_give_the_one_microbatch_update():
 # --- the documented example, end to end (the docs test of docs/llm-trainer.md) -------------------
 
 
+@pytest.mark.slow  # a whole pipeline run (tokenizer, cache, training): ~20 s
 def test_the_guides_small_model_example_runs_end_to_end(tmp_path, monkeypatch, caplog):
     text = DOC.read_text(encoding="utf-8")
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
