@@ -175,6 +175,7 @@ def test_two_experiments_share_stages_and_go_stale_exactly_as_the_plan_says(tmp_
     assert all(m.metadata["cache_hit"].value for k, ms in again.items() if k != "experiments/comparison" for m in ms)
 
 
+@pytest.mark.slow  # several Dagster materializations: ~35 s
 def test_a_stage_never_records_a_lineage_it_did_not_use(tmp_path):
     """``--select gpt/train_ckpt`` after a tokenizer change: it fails naming what to materialize
     first, and records nothing -- also once the new token cache exists outside Dagster (built by

@@ -178,6 +178,7 @@ def test_unrolled_bf16_stack_with_blocked_attention_is_within_20_percent_of_xla(
     assert math.isclose(est(cfg).total, measured, rel_tol=0.2), (est(cfg).total, measured)
 
 
+@pytest.mark.slow  # a real training run with auto parallelism: ~16 s
 def test_train_resolves_auto_parallelism_from_the_memory_budget(tmp_path):
     import numpy as np
 

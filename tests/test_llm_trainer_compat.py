@@ -234,6 +234,7 @@ def _first_step(gas: int | None):
     return fns, {k: float(v) for k, v in metrics.items()}, init, params
 
 
+@pytest.mark.slow  # two step compiles, ~20 s (tests/test_trainer.py covers accumulation in the default tier)
 def test_two_accumulated_microbatches_give_the_one_microbatch_update():
     one, m1, init, p1 = _first_step(None)
     two, m2, _, p2 = _first_step(2)

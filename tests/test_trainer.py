@@ -111,6 +111,7 @@ def test_gradient_accumulation_matches_full_batch():
     assert sum(np.linalg.norm(a - c) for a, c in zip(full, init, strict=True)) > 1e-2  # parameters moved
 
 
+@pytest.mark.slow  # compiles the step for several meshes of 8 simulated devices: ~55 s
 def test_mesh_equivalence_on_8_simulated_devices():
     """Same 20-step f32 run on 1 device, FSDP x8, data x tensor 2x4, and 4-way accumulation."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -260,6 +261,7 @@ def test_injected_nan_stops_the_run_before_any_poisoned_checkpoint(tmp_path, mon
     assert not (tmp_path / "run" / "step-6").exists()
 
 
+@pytest.mark.slow  # f16 compile and overflow rounds: ~20 s
 def test_f16_compute_trains_with_dynamic_loss_scaling(monkeypatch):
     from lm_pipeline.train import optim
 
