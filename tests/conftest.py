@@ -86,3 +86,30 @@ def pytest_make_collect_report(collector):
     if report.skipped and ci():
         report.outcome = "failed"
         report.longrepr = _failure(_skip_reason(report.longrepr))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Ray's native core worker (``_raylet.so``) can crash (SIGSEGV) in interpreter finalization of
+    a process that was a Ray driver, after every test has passed and the summary is printed, which
+    turns a passing run's exit status into 139. When Ray was used here, disconnect from it and end
+    the process with pytest's own exit status, skipping only the finalization."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None or not hasattr(ray, "is_initialized"):
+        return
+    if ray.is_initialized():
+        ray.shutdown()
+    session = getattr(config, "_lm_session", None)
+    status = int(getattr(session, "exitstatus", 0) or 0) if session is not None else None
+    if status is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    session.config._lm_session = session
