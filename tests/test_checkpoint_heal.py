@@ -79,6 +79,7 @@ def _damage(step_dir: Path, how: str) -> None:
         raise AssertionError(how)
 
 
+@pytest.mark.slow  # a real training run with checkpoints: ~20 s
 def test_the_marker_records_every_file_with_its_size_and_hash(tmp_path, monkeypatch):
     _cut(tmp_path / "run", monkeypatch, after=6)
     step = tmp_path / "run" / "step-4"

@@ -10,6 +10,7 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import numpy as np
+import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -36,6 +37,7 @@ def _params(step_dir: str) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
 
 
+@pytest.mark.slow  # two training runs: ~25 s
 def test_a_finished_run_continues_to_more_steps_as_if_trained_that_long(tmp_path, caplog):
     short = _pipe(tmp_path, "store", num_train_steps=6).train_ckpt()
     old_final = short.manifest["summary"]["final_checkpoint"]
