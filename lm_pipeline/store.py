@@ -160,9 +160,12 @@ class ArtifactStore:
 
     def manifest(self, stage: str, fp: str) -> dict[str, Any] | None:
         """The manifest of a complete artifact (followed through a pointer), or None."""
-        art = self.locate(stage, fp)
+        art = self.artifact(stage, fp)
         try:
-            text = fs.read_text(art.manifest_path)
+            text = fs.read_text(art.manifest_path)  # the usual case: one read, no existence checks
+            if text is None:
+                art = self.locate(stage, fp)  # elsewhere (data.cache_dir), or not complete
+                text = fs.read_text(art.manifest_path) if art.path != self.artifact(stage, fp).path else None
             if text is None:
                 return None
             manifest = json.loads(text)
