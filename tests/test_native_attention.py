@@ -22,6 +22,84 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+ISAS = native_attention.runnable_isas() if native_attention.available() else []
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def _reference64(q, k, v, w, scale):
+    """Causal attention and the gradients of ``sum(attention * w)`` in float64 NumPy."""
+    q, k, v, w = (np.asarray(x, np.float64) for x in (q, k, v, w))
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # query head i reads k/v head i // g
+    s = np.einsum("btnh,bsnh->bnts", q, kr) * scale
+    s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("bnts,bsnh->btnh", p, vr)
+    dp = np.einsum("btnh,bsnh->bnts", w, vr)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    per_head = lambda x: x.reshape(b, t, kh, g, h).sum(3)  # noqa: E731
+    dq = np.einsum("bnts,bsnh->btnh", ds, kr) * scale
+    dk = per_head(np.einsum("bnts,btnh->bsnh", ds, q) * scale)
+    dv = per_head(np.einsum("bnts,btnh->bsnh", p, w))
+    return out, (dq, dk, dv)
+
+
+def _error(x, ref) -> float:
+    """Largest absolute error relative to the reference's largest magnitude (absolute where the
+    reference is all zeros: dq at a single position)."""
+    return float(np.max(np.abs(np.asarray(x, np.float64) - ref)) / (np.max(np.abs(ref)) or 1.0))
+
+
+_REFERENCES: dict[tuple, list] = {}
+
+
+def _references(q, k, v, w, scale) -> list[tuple[np.ndarray, float]]:
+    """(float64 value, XLA float32's error against it) for the output and dq, dk, dv; computed
+    once per input (every ISA level is checked against the same references)."""
+    key = (q.shape, k.shape, float(scale), float(jnp.sum(q)), float(jnp.sum(k)))
+    if key not in _REFERENCES:
+        out64, grads64 = _reference64(q, k, v, w, scale)
+        ref = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale)  # noqa: E731
+        xla = [jax.jit(ref)(q, k, v), *_value_and_grads(ref, q, k, v, w)[1]]
+        _REFERENCES[key] = [(exact, _error(x, exact)) for x, exact in zip(xla, (out64, *grads64), strict=True)]
+    return _REFERENCES[key]
+
+
+def _assert_as_exact_as_xla(q, k, v, w, scale, isa, floor=16 * EPS32):
+    """The kernel built for ``isa`` is within 2x of XLA's own float32 attention's error against a
+    float64 reference (or within ``floor``), for the output and the three gradients."""
+    new = lambda q, k, v: native_causal_attention(q, k, v, scale, isa=isa)  # noqa: E731
+    ours = [jax.jit(new)(q, k, v), *_value_and_grads(new, q, k, v, w)[1]]
+    for name, x, (exact, xla_err) in zip(("output", "dq", "dk", "dv"), ours, _references(q, k, v, w, scale), strict=True):
+        ours_err = _error(x, exact)
+        assert ours_err <= max(2 * xla_err, floor), f"{isa} {name}: error {ours_err:.2e}, XLA's {xla_err:.2e}"
+
+
+def test_the_isa_levels_follow_the_cpu_flags():
+    v2 = "cx16 lahf_lm popcnt sse4_1 sse4_2 ssse3"
+    v3 = v2 + " avx avx2 bmi1 bmi2 f16c fma abm movbe xsave"
+    v4 = v3 + " avx512f avx512bw avx512cd avx512dq avx512vl avx512_bf16 amx_tile amx_bf16"
+    assert native_attention.runnable_isas(v4, "x86_64") == ["x86-64-v4", "x86-64-v3", "x86-64-v2", "x86-64"]
+    assert native_attention.runnable_isas(v3, "x86_64") == ["x86-64-v3", "x86-64-v2", "x86-64"]
+    # AVX-512 without all of v3's features (or a missing AVX-512 part) is not v4
+    assert native_attention.runnable_isas(v4.replace(" fma", ""), "x86_64") == ["x86-64-v2", "x86-64"]
+    assert native_attention.runnable_isas(v4.replace("avx512dq ", ""), "x86_64")[0] == "x86-64-v3"
+    assert native_attention.runnable_isas("fpu sse sse2", "x86_64") == ["x86-64"]
+    assert native_attention.runnable_isas("fp asimd", "aarch64") == ["generic"]
+
+
+def test_the_named_level_must_be_one_the_cpu_runs(monkeypatch):
+    monkeypatch.setenv(native_attention.ISA_ENV, "x86-64-v5")
+    with pytest.raises(NativeAttentionUnavailable, match="LM_PIPELINE_NATIVE_ISA='x86-64-v5': this CPU runs"):
+        native_attention.default_isa()
+    monkeypatch.setenv(native_attention.ISA_ENV, ISAS[-1])
+    assert native_attention.default_isa() == ISAS[-1]
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(
     ("b", "t", "n", "kh", "h"),
     [
@@ -32,25 +110,31 @@ pytestmark = pytest.mark.skipif(
         (2, 1, 3, 3, 16),  # a single position
     ],
 )
-def test_values_and_gradients_match_dot_product_attention(b, t, n, kh, h):
+def test_every_isa_level_is_as_exact_as_xla_against_float64(isa, b, t, n, kh, h):
     q, k, v, w = _inputs(b, t, n, kh, h)
-    ref = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=0.3)  # noqa: E731
-    new = lambda q, k, v: native_causal_attention(q, k, v, 0.3)  # noqa: E731
-    np.testing.assert_allclose(jax.jit(new)(q, k, v), jax.jit(ref)(q, k, v), atol=2e-6, rtol=1e-5)
-    (l_ref, g_ref), (l_new, g_new) = _value_and_grads(ref, q, k, v, w), _value_and_grads(new, q, k, v, w)
-    np.testing.assert_allclose(l_new, l_ref, rtol=1e-5)
-    for a, b_ in zip(g_new, g_ref, strict=True):
-        np.testing.assert_allclose(a, b_, atol=1e-5 * float(jnp.max(jnp.abs(b_))), rtol=0)
+    _assert_as_exact_as_xla(q, k, v, w, 0.3, isa)
 
 
-def test_large_scores_stay_finite_and_exact():
-    """Logits in the hundreds: the kernel's exp and its max-subtraction keep the softmax exact."""
+@pytest.mark.parametrize("isa", ISAS)
+def test_large_scores_stay_finite_and_exact(isa):
+    """Logits in the hundreds: the kernel's exp and its max-subtraction keep the softmax as exact
+    as XLA's. A float32 score s carries a rounding error of up to eps * |s| (~3e-5 here), which
+    moves each probability by as much relative to itself, whoever computes it: the bound is
+    XLA's error or that floor."""
     q, k, v, w = _inputs(1, 96, 2, 2, 16)
     q = q * 40.0
-    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=1.0)
-    out = jax.jit(lambda q, k, v: native_causal_attention(q, k, v, 1.0))(q, k, v)
+    out = jax.jit(lambda q, k, v: native_causal_attention(q, k, v, 1.0, isa=isa))(q, k, v)
     assert bool(jnp.all(jnp.isfinite(out)))
-    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+    max_score = float(np.max(np.abs(np.einsum("bthd,bshd->bhts", np.asarray(q), np.asarray(k)))))
+    assert max_score > 100.0
+    _assert_as_exact_as_xla(q, k, v, w, 1.0, isa, floor=EPS32 * max_score)
+
+
+def test_the_default_level_is_the_best_the_cpu_runs_and_agrees_with_xla():
+    assert native_attention.load() == ISAS[0]
+    q, k, v, _ = _inputs(2, 64, 4, 2, 16)
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    np.testing.assert_allclose(native_causal_attention(q, k, v, 0.3), ref, atol=2e-6, rtol=1e-5)
 
 
 def test_traced_scale_gets_no_gradient_and_vmap_runs_per_example():
@@ -101,7 +185,7 @@ def test_remat_policy_keeps_the_kernels_output_and_lse():
     hlo = jax.jit(jax.grad(lambda q, k, v: jnp.sum(body(q, k, v) * w), argnums=(0, 1, 2))).lower(q, k, v).as_text()
     assert hlo.count("lm_pipeline_causal_attention_fwd") == 1
     assert hlo.count("lm_pipeline_causal_attention_bwd") == 1
-    fwd_jaxpr = jax.make_jaxpr(lambda q, k, v: native_attention._attend_fwd(q, k, v, jnp.float32(0.25)))(q, k, v)
+    fwd_jaxpr = jax.make_jaxpr(lambda q, k, v: native_attention._attention_of(native_attention.load()).fwd(q, k, v, jnp.float32(0.25)))(q, k, v)
     names = {str(e.params.get("name")) for e in fwd_jaxpr.eqns if e.primitive.name == "name"}
     assert set(ATTENTION_RESIDUALS) <= names
 
@@ -140,9 +224,34 @@ def test_the_build_is_cached_per_source_and_written_atomically(monkeypatch, tmp_
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left
     mtime = path.stat().st_mtime_ns
     assert native_attention.build() == path and path.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert path.name.startswith(f"cpu_attention-{ISAS[0]}-")  # keyed by the level, not the host's flags
+    if len(ISAS) > 1:  # each level is a library of its own
+        assert native_attention.build(ISAS[-1]) not in (path, None) and len(list(tmp_path.iterdir())) == 2
 
 
 def test_negative_scale_matches_too():
     q, k, v, _ = _inputs(1, 40, 2, 2, 8)
     ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=-0.7)
     np.testing.assert_allclose(native_causal_attention(q, k, v, -0.7), ref, atol=2e-6, rtol=1e-5)
+
+
+def test_a_compiler_that_cannot_target_the_best_level_falls_back_to_the_next(monkeypatch, tmp_path, caplog):
+    """A compiler that rejects the CPU's best level (an old GCC without x86-64-v4, say): the
+    default build falls back to the next level down, with a warning naming both, and runs."""
+    if len(ISAS) < 2:
+        pytest.skip("this CPU runs one level only")
+    real = native_attention._compiler()
+    picky = tmp_path / "picky-cxx"
+    picky.write_text(f"#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = -march={ISAS[0]} ] && "
+                     f"{{ echo 'unknown arch {ISAS[0]}' >&2; exit 1; }}; done\nexec {real} \"$@\"\n")
+    picky.chmod(0o755)
+    monkeypatch.setenv(native_attention.DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(native_attention, "_compiler", lambda: str(picky))
+    monkeypatch.setattr(native_attention, "_state", {})
+    with caplog.at_level(logging.WARNING, logger="lm_pipeline.kernels.cpu.native_attention"):
+        assert native_attention.load() == ISAS[1]
+    assert f"built for {ISAS[1]}" in caplog.text and f"unknown arch {ISAS[0]}" in caplog.text
+    assert [p.name.startswith(f"cpu_attention-{ISAS[1]}-") for p in (tmp_path / "cache").iterdir()] == [True]
+    q, k, v, _ = _inputs(1, 24, 2, 2, 8)
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+    np.testing.assert_allclose(native_causal_attention(q, k, v, 0.5), ref, atol=2e-6, rtol=1e-5)

@@ -1,6 +1,6 @@
 // Causal self-attention for the CPU backend as XLA FFI custom calls (forward and backward).
 //
-// Built at first use by lm_pipeline/models/native_attention.py (g++ -O3 -march=native) and
+// Built at first use by lm_pipeline/kernels/cpu/native_attention.py (g++ -O3 -march=<x86-64 level>) and
 // registered with jax.ffi; without a compiler the Python side keeps the XLA path. Layouts are
 // the model's own: q [B, T, N, H], k/v [B, T, K, H] (N = K * G query heads share k/v head
 // n / G), o [B, T, N, H], lse [B, N, T], all float32 and row-major. Work is split over
@@ -113,12 +113,25 @@ inline v8 exp8(v8 x) {
   return y * pow2;
 }
 
-// p[0:n] = exp(p[0:n] * scale - sub); returns their sum.
-inline float exp_row(float* p, int n, float scale, float sub) {
+// p[0:n] *= scale, rounded to float and stored; returns their maximum. Forward and backward
+// take the exponent from these stored scores, so both see the same rounded values, and the
+// maximum's own exponent is exactly 0 (no fused multiply-add can round `x * scale - max`
+// differently from the `max` it subtracts).
+inline float scale_row(float* p, int n, float scale) {
+  float mx = -INFINITY;
+  for (int j = 0; j < n; ++j) {
+    p[j] *= scale;
+    mx = std::max(mx, p[j]);
+  }
+  return mx;
+}
+
+// p[0:n] = exp(p[0:n] - sub); returns their sum.
+inline float exp_row(float* p, int n, float sub) {
   v8 acc = splat(0.f);
   int j = 0;
   for (; j + 8 <= n; j += 8) {
-    v8 e = exp8(load8(p + j) * splat(scale) - splat(sub));
+    v8 e = exp8(load8(p + j) - splat(sub));
     store8(p + j, e);
     acc += e;
   }
@@ -126,7 +139,7 @@ inline float exp_row(float* p, int n, float scale, float sub) {
   if (j < n) {
     float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int t = j; t < n; ++t) tmp[t - j] = p[t];
-    v8 e = exp8(load8(tmp) * splat(scale) - splat(sub));
+    v8 e = exp8(load8(tmp) - splat(sub));
     for (int t = j; t < n; ++t) {
       p[t] = e[t - j];
       s += e[t - j];
@@ -208,9 +221,8 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
       for (int r = 0; r < rows; ++r) {
         float* sr = s.data() + r * L;
         const int n_valid = r0 + r + 1;
-        float mx = sr[0] * scale;
-        for (int j = 1; j < n_valid; ++j) mx = std::max(mx, sr[j] * scale);
-        const float sum = exp_row(sr, n_valid, scale, mx);
+        const float mx = scale_row(sr, n_valid, scale);
+        const float sum = exp_row(sr, n_valid, mx);
         const float inv = 1.f / sum;
         for (int j = 0; j < n_valid; ++j) sr[j] *= inv;
         std::fill(sr + n_valid, sr + L, 0.f);
@@ -260,7 +272,8 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
         for (int r = 0; r < rows; ++r) {
           float* pr = p.data() + r * L;
           const int n_valid = r0 + r + 1;
-          exp_row(pr, n_valid, scale, lb[r0 + r]);
+          scale_row(pr, n_valid, scale);
+          exp_row(pr, n_valid, lb[r0 + r]);
           std::fill(pr + n_valid, pr + L, 0.f);
         }
         transpose(rows, L, p.data(), L, t.data(), rows);                                   // P^T [L, rows]
