@@ -274,3 +274,35 @@ def test_other_kvstores(corpus):
     batch = ds.get_many([0])
     starts, lens = ds.layout.row_pieces(0)
     np.testing.assert_array_equal(batch.tokens[0, : lens[0]], mem.read_tokens(starts[0], starts[0] + lens[0]))
+
+
+def test_a_failed_array_write_is_never_committed_and_the_resumed_cache_is_identical(corpus, tmp_path, monkeypatch):
+    """The commit point waits for the arrays' writes to land: when a write of the token array
+    fails (here its shard file cannot be locked, as on a full or broken disk), the build raises
+    that error and the ledger never claims the shard it was writing; once the disk is fixed the
+    resumed build gives a cache byte-identical to a clean one."""
+    from lm_pipeline.data.cache import writer
+
+    out = tmp_path / "c"
+    obstacle = out / "tokens" / "c" / "0.__lock"  # TensorStore's lock file for the shard file tokens/c/0
+    real_commit = writer.Committer.commit
+
+    def commit_then_break_the_disk(self):
+        real_commit(self)
+        if self.ledger["committed"]["shards"] == GROUP:  # after the first group: later writes fail
+            obstacle.mkdir()
+
+    monkeypatch.setattr(writer.Committer, "commit", commit_then_break_the_disk)
+    with pytest.raises(Exception, match="Error writing local file"):
+        build_cache(str(out), corpus["shards"], corpus["tokdir"], num_workers=1, shard_group_size=GROUP,
+                    progress=False)
+    ledger = json.loads((out / "ledger.json").read_text())
+    assert ledger["committed"]["shards"] == GROUP and not ledger["complete"]  # the failed group is not claimed
+    partial = open_cache(str(out), require_complete=False)
+    ref = open_cache(corpus["ref"])
+    n = partial.num_tokens
+    np.testing.assert_array_equal(partial.read_tokens(0, n), ref.read_tokens(0, n))  # committed rows intact
+    monkeypatch.setattr(writer.Committer, "commit", real_commit)
+    obstacle.rmdir()
+    build_cache(str(out), corpus["shards"], corpus["tokdir"], num_workers=1, shard_group_size=GROUP, progress=False)
+    assert tree(out) == tree(corpus["ref"])
