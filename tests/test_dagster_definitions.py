@@ -4,6 +4,7 @@ once, cursor, per experiment) and the schedules evaluated by Dagster."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -269,6 +270,25 @@ def test_sensor_requests_each_new_checkpoint_exactly_once():
     _apply(instance, second)
     assert checkpoint_requests(instance, second.cursor).run_requests == []
     assert set(instance.get_dynamic_partitions("checkpoints")) == {k100, k200, k300, kb}
+
+
+def test_a_tick_past_the_limit_advances_its_cursor_and_the_next_requests_the_rest():
+    """More new checkpoints than one tick reads (``limit``): the tick requests the first ones and
+    its cursor stops at the last one it read, so the next tick requests exactly the rest (a
+    cursor that did not advance would re-read the same page forever and never evaluate them)."""
+    instance = dg.DagsterInstance.ephemeral()
+    keys = [_report_checkpoint(instance, "aaaa", step) for step in (10, 20, 30, 40, 50)]
+    first = checkpoint_requests(instance, None, limit=3)
+    assert [r.partition_key for r in first.run_requests] == keys[:3]
+    read = instance.fetch_observations(dg.AssetRecordsFilter(asset_key=dg.AssetKey("train_ckpt")), limit=3,
+                                       ascending=True).records
+    assert json.loads(first.cursor) == {"train_ckpt": read[-1].storage_id}
+    _apply(instance, first)
+    second = checkpoint_requests(instance, first.cursor, limit=3)
+    assert [r.partition_key for r in second.run_requests] == keys[3:]
+    _apply(instance, second)
+    third = checkpoint_requests(instance, second.cursor, limit=3)
+    assert third.run_requests == [] and third.cursor == second.cursor
 
 
 def test_sensor_requests_per_experiment_including_a_shared_training(tmp_path):
