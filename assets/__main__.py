@@ -11,6 +11,10 @@ so lineage and history persist with nothing exported::
     python -m assets home                 # print the instance directory
     python -m assets dagster ARGS...      # any other dagster command, same instance
 
+Before ``materialize`` and ``dev`` start Dagster, runs whose process is gone (killed) are marked
+failed and their pool slots freed, and each run still holding a pool slot is named in one line
+(:mod:`assets.dead_runs`).
+
 The experiments are the files of ``configs/experiments/`` (``$LM_PIPELINE_EXPERIMENTS_DIR``), or
 the one file ``$LM_PIPELINE_EXPERIMENT``, with ``$LM_PIPELINE_OVERRIDES``; see :mod:`assets.experiment`.
 """
@@ -71,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     home = ensure_home()
     print(f"DAGSTER_HOME={home}", file=sys.stderr)
+    if argv[0] in ("materialize", "dev"):
+        # A run killed earlier (its process gone) still holds its pool slots: free them, and say
+        # who holds the slots this command's steps may wait for (assets/dead_runs.py).
+        from assets.dead_runs import check
+
+        check()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # exec discards what is still buffered
     # Dagster's CLI has no public Python API: its public entry point is the `dagster` command,

@@ -28,7 +28,9 @@ parallel by the multiprocess executor), a commit op assembles and commits the ca
 Dagster Pipes; in ``ray`` mode one Ray job on a cluster, N processes of one ``jax.distributed``
 run (docs/cluster.md) -- reports each checkpoint as an observation as it lands, is retried by a
 ``RetryPolicy`` (a retry resumes from the run's latest checkpoint) and runs in the
-``lm_pipeline_training`` pool; evaluations run in the ``lm_pipeline_evaluation`` pool.
+``lm_pipeline_training`` pool; evaluations run in the ``lm_pipeline_evaluation`` pool. Each step
+first records its run's process and frees the pool slots of runs whose process is gone
+(:mod:`assets.dead_runs`).
 """
 
 
@@ -48,6 +50,7 @@ import dagster as dg
 
 from assets import comparison as cmp
 from assets import metadata as md
+from assets.dead_runs import tend
 from assets.deployment import COMPARISON_GROUP, COMPARISON_KEY, Deployment, Node
 from assets.experiment import Experiment, load_experiments
 from lm_pipeline.steps import STAGE_NAMES
@@ -449,6 +452,7 @@ def _source_asset(dep: Deployment, key: dg.AssetKey, raw: Node):
                                             "version hashes every shard's content, so an edit marks every stage "
                                             "built from it stale. Observed by data_sources_sensor and each run.")
     def _observe(context, store: ArtifactStoreResource) -> dg.ObserveResult:
+        tend(context)
         version, shards = source_version(_run_pipe(raw.owner, store))
         return dg.ObserveResult(data_version=dg.DataVersion(version), metadata={
             "shards": dg.MetadataValue.int(len(shards)),
@@ -463,6 +467,7 @@ def _stage_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
 
     @dg.asset(key=node.key, deps=node.deps, pool=pool, **spec)
     def _asset(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
+        tend(context)
         pipe = _run_pipe(node.owner, store)
         if pipe.stage(node.stage).per_checkpoint:
             _require_trained(pipe, dep.key(node.owner.name, "train_ckpt"))
@@ -485,6 +490,7 @@ def _token_cache_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
     @dg.op(name=f"{prefix}_plan", ins={n: dg.In(dg.Nothing) for n in ins},
            out=dg.DynamicOut(dict), description="Hit: nothing to do. Miss: one output per shard group.")
     def token_cache_plan(context: dg.OpExecutionContext, store: ArtifactStoreResource, tokenizing: TokenizingResource):
+        tend(context)
         mode = tokenizing.validate()  # a bad setting fails here, in one line, before any work
         pipe = _run_pipe(exp, store)
         _verify_inputs(context, dep, node, pipe, record=False)  # before any shard is tokenized
@@ -548,6 +554,7 @@ def _train_ckpt_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
               pool=TRAINING_POOL, **spec)
     def train_ckpt(context: dg.AssetExecutionContext, store: ArtifactStoreResource, training: TrainingLauncherResource,
                    jax_runtime: JaxRuntimeResource, tracking: TrackingResource):
+        tend(context)
         mode = training.validate_mode()  # a bad launcher setting fails here, in one line, before any work
         pipe = _run_pipe(exp, store)
         fp = pipe.address("train_ckpt").fingerprint
@@ -590,6 +597,7 @@ def _checkpoint_eval_asset(dep: Deployment, name: str):
               description=f"The evaluation report ({name}'s eval settings) of one checkpoint of {train_key.to_user_string()} "
                           "(partition <run>-step<N>), requested by new_checkpoint_sensor as checkpoints land.")
     def checkpoint_eval(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
+        tend(context)
         key = context.partition_key
         path = find_checkpoint(context.instance, key, store, tags=context.run.tags, asset=train_key)
         pipe = _checkpoint_pipeline(path, store, eval_config=base.eval_config)
@@ -612,6 +620,7 @@ def _comparison_asset(dep: Deployment):
                           "baseline, parameters, training tokens and wall time): a table and a plot. Refreshed by "
                           "comparison_sensor when an evaluation lands.")
     def comparison(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
+        tend(context)
         artifacts = store.store()  # the deployment's one store (build_definitions checks it)
         rows = [cmp.experiment_row(name, exp.fresh_pipeline(artifacts)) for name, exp in dep.experiments.items()]
         fp, path, hit = cmp.write_comparison(artifacts, rows)
