@@ -471,3 +471,33 @@ def test_two_processes_on_one_host_checkpoint_on_the_bucket(s3_bucket, tmp_path)
     assert np.array_equal(np.asarray(got["b"]), np.full(3, 7.0, np.float32))
     _no_local_scheme_dirs(tmp_path)
     # Processes on different hosts (each its own staging dir): tests/test_object_store_multihost.py.
+
+
+@pytest.mark.slow
+def test_a_bucket_run_killed_after_a_checkpoint_keeps_every_metrics_step_once_and_its_plots(s3_bucket, tmp_path,  # noqa: F811
+                                                                                            monkeypatch):
+    """SIGKILL right after step-3's checkpoint is complete (the 60 s metrics upload not yet due):
+    the metrics log was uploaded before that checkpoint, so the run resumed from step-3 has every
+    logged step exactly once; the loss plots are written to the bucket at the end."""
+    monkeypatch.chdir(tmp_path)
+    root = s3_bucket.url("metrics")
+    cfg = pt.write_config(tmp_path, name="metrics.yaml", store={"root": root})
+    env = pt.subprocess_env(tmp_path, cfg)
+    env.update({"LM_PIPELINE_CHECKPOINT_CACHE": str(tmp_path / "checkpoint-copies")})
+    cmd = [sys.executable, "-m", "lm_pipeline.cli", "train", "--config_path", str(cfg)]
+    killed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                            env={**env, "LM_PIPELINE_FAULTPOINT": "checkpoint.after_marker:1"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    markers = [k for k in _objects(s3_bucket) if k.startswith("metrics/train_ckpt/") and k.endswith("/checkpoint.json")]
+    assert [k.rsplit("/", 2)[1] for k in markers] == ["step-3"], markers  # killed right after step-3 landed
+    run_key = markers[0].rsplit("/", 2)[0]
+
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    objects = _objects(s3_bucket)
+    records = [json.loads(line) for line in objects[f"{run_key}/metrics.jsonl"].decode().splitlines() if line.strip()]
+    train_steps = [r["step"] for r in records if "train/loss" in r]
+    eval_steps = [r["step"] for r in records if "eval/loss" in r]
+    assert train_steps == [2, 4, 6] and eval_steps == [3, 6], records  # log_every 2, steps_per_eval 3
+    for name in ("loss.png", "learning_rate.png"):
+        assert objects[f"{run_key}/plots/{name}"].startswith(b"\x89PNG"), name

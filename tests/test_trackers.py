@@ -372,3 +372,36 @@ def test_redact_removes_secret_keys_and_values(monkeypatch):
         "throughput/tokens_per_second": 5.0,
     }
     assert hp["WANDB_API_KEY"] == "k" * 40  # the input is not modified
+
+
+def test_flush_uploads_what_was_logged_and_the_checkpointer_calls_it_only_before_a_save(tmp_path):
+    """On an object store the metrics log is uploaded when the trainer is about to checkpoint
+    (``maybe_save(before_save=tracker.flush)``), not only every ``upload_interval_s``: a run
+    resumed from that checkpoint finds every step logged before it."""
+    import fsspec
+    import jax.numpy as jnp
+
+    from lm_pipeline.schema import from_dict
+    from lm_pipeline.train.checkpoint import Checkpointer, CheckpointerConfig
+    from lm_pipeline.train.trackers import CompositeTracker, JsonlTracker
+
+    url = "memory://lm-pipeline-tests/flush/metrics.jsonl"
+    try:
+        tracker = CompositeTracker([JsonlTracker(url, resume_step=None, upload_interval_s=3600.0)])
+        ck = Checkpointer(from_dict(CheckpointerConfig, {"base_path": str(tmp_path / "ck"), "save_interval": "1000h",
+                                                          "keep": [{"every": 3}]}))
+        uploaded_at_save = {}
+        for step in range(1, 7):
+            tracker.log({"train/loss": 1.0 / step}, step=step)
+            flushed = []
+            ck.maybe_save(step, {"s": jnp.asarray(step)},
+                          before_save=lambda s=step, f=flushed: (tracker.flush(), f.append(s)))
+            if flushed:
+                uploaded_at_save[step] = [r["step"] for r in read_metrics(url)]
+        ck.wait()
+        assert uploaded_at_save == {3: [1, 2, 3], 6: [1, 2, 3, 4, 5, 6]}  # only at the saves, all steps before them
+        tracker.finish()
+    finally:
+        fs = fsspec.filesystem("memory")
+        if fs.exists("/lm-pipeline-tests/flush"):
+            fs.rm("/lm-pipeline-tests/flush", recursive=True)

@@ -159,7 +159,8 @@ def train(
                     if extra:
                         tracker.log(dict(extra), step=done)
             path = run.checkpointer.maybe_save(done, state, force=done == num_steps, extra_files=files,
-                                               metadata={"run_id": run.run_id}, eval_loss=eval_loss)
+                                               metadata={"run_id": run.run_id}, eval_loss=eval_loss,
+                                               before_save=tracker.flush)
             if path:
                 result.checkpoints.append(path)
         run.checkpointer.wait()
@@ -377,7 +378,7 @@ def _finish(run: _Run, result: TrainResult, state: TrainState, meter: _StepMeter
     result.train_seconds = time.perf_counter() - meter.t_start
     tracker.log_summary(result.metrics)
     tracker.finish()
-    if jax.process_index() == 0 and "://" not in run.run_dir:  # loss / lr / bpb / tokens/s PNGs beside the checkpoints
+    if jax.process_index() == 0:  # loss / lr / bpb / tokens/s PNGs beside the checkpoints (local or on a bucket)
         from lm_pipeline.plots import write_training_plots
 
         write_training_plots(run.run_dir)

@@ -251,6 +251,10 @@ class Tracker:
     def log_summary(self, metrics: Mapping[str, Any]) -> None:
         """Final / run-level values (not a time series)."""
 
+    def flush(self) -> None:
+        """Make everything logged so far durable where it is read (the trainer calls it before each
+        checkpoint: a run resumed from that checkpoint finds every step before it)."""
+
     def finish(self) -> None:
         """Flush and close; the tracker must not be used afterwards."""
 
@@ -292,7 +296,7 @@ class JsonlTracker(Tracker):
 
     ``path`` may be an fsspec URL (``gs://...``): object stores cannot append, so lines go to a
     local staging copy that is uploaded whole every ``upload_interval_s`` seconds (at a
-    ``log`` call), at each ``log_summary`` and at ``finish``.
+    ``log`` call), at each ``flush`` (before every checkpoint), ``log_summary`` and ``finish``.
     """
 
     def __init__(
@@ -328,6 +332,9 @@ class JsonlTracker(Tracker):
         self._file.write(json.dumps(record) + "\n")
         if time.monotonic() - self._last_upload >= self.upload_interval_s:
             self._upload()
+
+    def flush(self) -> None:
+        self._upload()
 
     def log_summary(self, metrics: Mapping[str, Any]) -> None:
         summary: dict[str, Any] = {}
@@ -461,6 +468,9 @@ class CompositeTracker(Tracker):
 
     def log_summary(self, metrics: Mapping[str, Any]) -> None:
         self._each("log_summary", metrics)
+
+    def flush(self) -> None:
+        self._each("flush")
 
     def finish(self) -> None:
         self._each("finish")

@@ -152,12 +152,14 @@ class Checkpointer:
         extra_files: Mapping[str, ExtraFile] | None = None,
         metadata: Mapping[str, Any] | None = None,
         eval_loss: float | None = None,
+        before_save: Callable[[], None] | None = None,
     ) -> str | None:
         """Save if the policy asks for it at ``step``; returns the checkpoint dir or None.
 
         Call after step ``step`` has been applied. Permanent: ``force`` or the keep rules;
         temporary: ``save_interval`` elapsed since the last save, or (``keep_best``) an
-        ``eval_loss`` lower than any before.
+        ``eval_loss`` lower than any before. ``before_save`` runs first when a save is due (the
+        trainer uploads its metrics log there, so the checkpoint never gets ahead of it).
         """
         step = int(step)
         kind: Kind | None = None
@@ -167,6 +169,8 @@ class Checkpointer:
             kind = "temporary"
         if kind is None:
             return None
+        if before_save is not None:
+            before_save()
         return self.save(step, state, kind, extra_files=extra_files, metadata=metadata, eval_loss=eval_loss)
 
     def _improves_best(self, eval_loss: float | None) -> bool:
@@ -340,6 +344,7 @@ class Checkpointer:
         stamp_complete(job.marker)
         faultpoint("checkpoint.before_marker")  # arrays written, marker not yet
         self._write_marker(job.path, job.marker)
+        faultpoint("checkpoint.after_marker")  # the checkpoint is complete and found from now on
         if job.update_best:
             materialize_best(self.base_path, job.path, job.marker)
         return prune(self.base_path, job.step, job.path, self.config.keep_last)
