@@ -26,11 +26,14 @@ from lm_pipeline.data.loader import Prefetcher
 from lm_pipeline.estimate import resolve_auto_parallelism
 from lm_pipeline.faultpoints import faultpoint
 from lm_pipeline.fingerprint import fingerprint
+from lm_pipeline.hf.start import hf_source_files as _hf_source_files
+from lm_pipeline.hf.start import model_vocab_size
 from lm_pipeline.schema import ConfigError, to_dict
 from lm_pipeline.train.checkpoint import Checkpointer, latest_checkpoint
 from lm_pipeline.train.optim import all_finite
+from lm_pipeline.train.runlog import setup_logging
 from lm_pipeline.train.sharding import MeshPlan, initialize_distributed, make_mesh
-from lm_pipeline.train.trackers import build_tracker, setup_logging
+from lm_pipeline.train.trackers import build_tracker
 from lm_pipeline.train.trainer import (
     Hook,
     StepFunctions,
@@ -98,6 +101,7 @@ class _Run:
     source: StepBatchSource
     fns: StepFunctions
     checkpointer: Checkpointer
+    vocab_size: int = 0  # the model's embedding rows (the tokenizer's, or a Hugging Face start's padded ones)
 
     @property
     def tokens_per_step(self) -> int:
@@ -121,7 +125,8 @@ def train(
 
     Args:
         train_data: packed training sequences (the token cache's layout, or any SequenceDataset).
-        vocab_size: the tokenizer's vocabulary size.
+        vocab_size: the tokenizer's vocabulary size (a run that starts from a Hugging Face model
+            whose embedding has more rows, a padded vocabulary, keeps that model's rows).
         eval_data: named validation sets, evaluated every ``trainer.steps_per_eval`` steps.
         eval_bytes_per_token: per validation set, UTF-8 bytes per token of its text, for the
             ``eval/<set>/bpb`` metric (the set's average; the eval report counts bytes exactly).
@@ -139,8 +144,8 @@ def train(
                             resume_step=start + 1 if resume_path else None, primary=jax.process_index() == 0)
     result = TrainResult(state=state, final_step=start, resumed_from=resume_path)
     evaluator = _Evaluator(run, eval_data or {}, eval_bytes_per_token or {}, tracker, result)
-    meter = _StepMeter(run, tracker, start, vocab_size)
-    files = {"config.yaml": dump_config(cfg), **(extra_checkpoint_files or {})}
+    meter = _StepMeter(run, tracker, start, run.vocab_size)
+    files = {"config.yaml": dump_config(cfg), **_hf_source_files(cfg), **(extra_checkpoint_files or {})}
     # Batches are read and placed on devices ahead of the step, on a background thread.
     batches = Prefetcher(run.source, start, num_steps=num_steps - start, depth=2, put=lambda b: put_batch(b, run.plan))
     fns = run.fns
@@ -195,12 +200,13 @@ def _prepare(cfg: RunConfig, train_data: SequenceDataset, vocab_size: int, data_
                              process_index=jax.process_index(), process_count=jax.process_count(),
                              shuffle=cfg.data.shuffle, era_length=cfg.data.era_length)
     has_segments = source.batch(0).segment_ids is not None
+    vocab_size = model_vocab_size(cfg, vocab_size)  # a Hugging Face start keeps its padded vocabulary
     if tc.per_device_parallelism == "auto":
         cfg = resolve_auto_parallelism(cfg, jax.device_count(), vocab_size, segments=has_segments)
     fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=vocab_size, num_train_steps=num_steps,
                                plan=plan, has_segments=has_segments)
     checkpointer = _FiniteStateCheckpointer(cfg.trainer.checkpointer, base_path_override=run_dir)
-    return _Run(cfg, plan, num_steps, run_id, run_dir, source, fns, checkpointer)
+    return _Run(cfg, plan, num_steps, run_id, run_dir, source, fns, checkpointer, vocab_size)
 
 
 def _num_rows(train_data: SequenceDataset, cfg: RunConfig) -> int:
@@ -435,11 +441,11 @@ def _initialize_from_hf(state: TrainState, cfg: RunConfig, source: str) -> Train
     placed = []
     for new, old in zip(new_leaves, old_leaves, strict=True):
         if tuple(new.shape) != tuple(old.shape):
+            fix = ("model: must describe the weights' shape" if cfg.use_hf_model_config
+                   else "set use_hf_model_config: true to take the shape from its config.json")
             raise ConfigError(
                 "initialize_from_hf",
-                f"{source}: a weight of shape {tuple(new.shape)} where the model has {tuple(old.shape)} (the "
-                "tokenizer's vocabulary and the model's embedding rows must agree, as must the shape: set "
-                "use_hf_model_config: true, or data.tokenizer to the model's tokenizer)")
+                f"{source}: a weight of shape {tuple(new.shape)} where the model has {tuple(old.shape)} ({fix})")
         placed.append(jax.device_put(new.astype(old.dtype), old.sharding))
     model = eqx.combine(jax.tree_util.tree_unflatten(old_def, placed), state.model)
     log.info("initialized weights from Hugging Face model %s", source)
