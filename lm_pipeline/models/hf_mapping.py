@@ -17,7 +17,7 @@ import numpy as np
 
 from lm_pipeline.models.base import LmModel
 from lm_pipeline.models.config import Gpt2Config, LlamaConfig, LmConfig
-from lm_pipeline.models.layers import named_params, replace_params
+from lm_pipeline.models.params import named_params, replace_params
 
 
 def hf_config(cfg: LmConfig, vocab_size: int) -> dict[str, Any]:
