@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: summary statistics, process counters, allocator set-up.
+"""Helpers shared by the benchmarks: where a benchmark ran (CPU model, ISA flags, cores), summary
+statistics, process counters, allocator set-up.
 
 Kept free of heavy imports (no JAX / torch) so a benchmark can use it before deciding to
 re-execute itself (see :func:`ensure_allocator`).
@@ -7,6 +8,7 @@ re-execute itself (see :func:`ensure_allocator`).
 from __future__ import annotations
 
 import os
+import platform
 import resource
 import statistics
 import sys
@@ -50,6 +52,70 @@ def ensure_allocator(use_tcmalloc: bool) -> str:
     if launch.tcmalloc_loaded():
         return "tcmalloc loaded (could not remove it)"
     return "glibc malloc (--no-tcmalloc)"
+
+
+#: The CPU feature flags that matter to these benchmarks' kernels (``/proc/cpuinfo`` names), in
+#: the order they are reported: vector widths, FMA, AVX-512 subsets, bf16 / fp16 / int8 dot
+#: products and Intel's AMX tiles (oneDNN uses them for PyTorch's bf16; XLA:CPU does not).
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd",
+             "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def parse_cpuinfo(text: str) -> dict:
+    """``{"model", "isa", "logical_cpus"}`` from a ``/proc/cpuinfo`` text: the first processor's
+    ``model name`` (ARM: ``Hardware`` / ``CPU part``, else ""), which of :data:`ISA_FLAGS` its
+    ``flags`` (ARM: ``Features``) line lists, in that order, and the number of ``processor`` entries."""
+    model, flags, cpus = "", None, 0
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key, value = key.strip(), value.strip()
+        if key == "processor":
+            cpus += 1
+        elif key in ("model name", "Hardware") and not model:
+            model = value
+        elif key in ("flags", "Features") and flags is None:
+            flags = set(value.split())
+    return {"model": " ".join(model.split()), "isa": [f for f in ISA_FLAGS if f in (flags or ())],
+            "logical_cpus": cpus}
+
+
+def cpu_info(cpuinfo_text: str | None = None) -> dict:
+    """Where this benchmark runs: ``{"model": str, "isa": [flags], "cores": int}``. ``cores`` is
+    the number of CPUs this process may run on (its affinity mask; what the thread pools see),
+    ``isa`` the :data:`ISA_FLAGS` present. ``cpuinfo_text`` replaces ``/proc/cpuinfo`` (tests)."""
+    if cpuinfo_text is None:
+        try:
+            cpuinfo_text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo_text = ""
+    parsed = parse_cpuinfo(cpuinfo_text)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = parsed["logical_cpus"] or os.cpu_count() or 0
+    return {"model": parsed["model"] or platform.processor() or platform.machine(), "isa": parsed["isa"],
+            "cores": cores}
+
+
+def host_info(gpu: str | None = None, cpuinfo_text: str | None = None) -> dict:
+    """The fields every benchmark puts into its ``RESULT`` json: ``{"cpu": cpu_info()}``, plus
+    ``"gpu"`` (the accelerator's name, e.g. JAX's ``device_kind``) when one was used."""
+    info: dict = {"cpu": cpu_info(cpuinfo_text)}
+    if gpu:
+        info["gpu"] = gpu
+    return info
+
+
+def host_line(info: dict | None = None) -> str:
+    """One line for a benchmark's table header: ``cpu: <model>, <n> cores; isa: <flags>[; gpu: <name>]``."""
+    info = host_info() if info is None else info
+    cpu = info["cpu"]
+    line = f"cpu: {cpu['model']}, {cpu['cores']} cores; isa: {' '.join(cpu['isa']) or '(none of the listed)'}"
+    if info.get("gpu"):
+        line += f"; gpu: {info['gpu']}"
+    return line
 
 
 def _machine_busy_s() -> float:

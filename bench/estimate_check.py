@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import host_info, host_line  # noqa: E402
 
 GPT2 = {"model.type": "gpt2"}
 LLAMA = {"model.type": "llama"}
@@ -67,7 +69,10 @@ def main(argv: list[str] | None = None) -> None:
 
     gib = 2.0**30
     rows = []
-    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), mp {args.mp}")
+    dev = jax.devices()[0]
+    host = host_info(gpu=dev.device_kind if dev.platform == "gpu" else None)
+    print(host_line(host))
+    print(f"backend {jax.default_backend()} ({dev.device_kind}), mp {args.mp}")
     print(f"{'model':<6} {'D/T/B/V/L':<22} {'remat':<6} {'XLA GiB':>8} {'est GiB':>8} {'est/XLA':>7}"
           f"  {'params+opt':>10} {'saved':>7} {'head bwd':>8} {'layer bwd':>9}")
     for spec in GRIDS[args.grid][: args.models]:
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
             jax.clear_caches()
     worst = max((r["ratio"] for r in rows), key=lambda x: max(x, 1 / x))
     print("RESULT " + json.dumps({"ratio": round(worst, 4), "backend": jax.default_backend(),
-                                  "device": jax.devices()[0].device_kind, "grid": args.grid, "rows": rows}))
+                                  "device": dev.device_kind, "grid": args.grid, "rows": rows, **host}))
 
 
 if __name__ == "__main__":

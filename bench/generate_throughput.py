@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import host_info, host_line  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -102,6 +104,9 @@ def main(argv: list[str] | None = None) -> dict:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()}), {os.cpu_count()} cores, {platform.machine()}"
 
+    dev = jax.devices()[0]
+    host = host_info(gpu=dev.device_kind if dev.platform == "gpu" else None)
+    print(host_line(host))
     print(f"GPT-2 {args.layers} layers x {args.width} wide, {args.heads} heads, vocab {args.vocab}: "
           f"{n_params / 1e6:.1f}M params, float32; batch 1, prompt {args.prompt_len}, {args.new_tokens} new "
           f"tokens, greedy; {args.runs} timed runs each; {device}")
@@ -131,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ours_first_call_s": round(first_call_s, 3),
         "device": device,
         "load_average_1m": round(load, 2),
+        **host,
     }
     print("RESULT " + json.dumps(result))
     return result

@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import host_info, host_line  # noqa: E402
 
 SHAPES = {
     "gpt2_124m": {
@@ -218,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     from lm_pipeline.train.trainer import device_peak_flops
 
     device = jax.devices()[0]
+    host = host_info(gpu=device.device_kind if device.platform == "gpu" else None)
+    print(host_line(host))
     if args.smoke:
         args.steps, args.warmup, args.matmul = min(args.steps, 3), 1, 256
     peaks = matmul_peak(args.matmul)
@@ -257,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         "jax": jax.__version__, "matmul_peak_flops": peak, "matmul_flops": peaks, "vendor_peak_flops": vendor,
         **{f"{r['shape']}_{r['variant']}_mfu": round(r["mfu"], 4) for r in results},
         "shapes": results,
+        **host,
     }, default=float))
 
 

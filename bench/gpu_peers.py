@@ -100,6 +100,8 @@ for _p in (str(ROOT), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from common import host_info, host_line  # noqa: E402
+
 MODELS = {  # ours: LlamaConfig fields; peers build the same shapes from these
     "llama_350m": {"hidden_dim": 1024, "num_layers": 24, "num_heads": 16, "num_kv_heads": 16,
                    "intermediate_dim": 2816, "vocab": 32000},
@@ -568,6 +570,8 @@ def main(argv: list[str] | None = None) -> None:
         + ", ".join(f"{k} {x / 1e12:.1f}" for k, x in peak["matmul_flops"].items())
         + f" TFLOP/s; measured peak {measured / 1e12:.1f}"
         + (f"; vendor dense bf16 peak {vendor / 1e12:.0f} TFLOP/s" if vendor else "; vendor peak unknown for this card"))
+    host = host_info(gpu=peak["device"] if peak["platform"] == "gpu" else None)
+    log(host_line(host))
     log("precision: " + ("bf16 compute, f32 master parameters" if bf16 else "float32 (CPU smoke run)")
         + f"; {args.tokens_per_step:,} tokens per optimizer step for every trainer")
 
@@ -635,7 +639,7 @@ def main(argv: list[str] | None = None) -> None:
         "smoke": args.smoke, "precision": "bf16 compute, f32 master parameters" if bf16 else "float32 (CPU smoke)",
         "tokens_per_step": args.tokens_per_step, "jax": peak["jax"], "vendor_peak_flops": vendor,
         "matmul_peak_flops": measured, "matmul_flops": peak["matmul_flops"], "peers": peer_status,
-        "shapes": summaries, "rows": rows,
+        "shapes": summaries, "rows": rows, **host,
     }, default=float))
 
 

@@ -67,7 +67,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, loadavg  # noqa: E402
+from common import ROOT, host_info, host_line, loadavg  # noqa: E402
 
 VOCAB = 2048
 BATCH = 8
@@ -450,7 +450,8 @@ def main(argv: list[str] | None = None) -> None:
     res: dict = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "cores": cores,
                  "load_start": loadavg(), "smoke": args.smoke, "workers": args.workers, "seq_len": args.seq_len,
                  "batch": BATCH, "sizes_mb": args.sizes_mb, "packings": args.packings,
-                 "allocator": args.allocator}
+                 "allocator": args.allocator, **host_info()}
+    print(host_line(res))
     print(f"{cores} cores, load average {res['load_start']:.2f}; sizes {args.sizes_mb} MB, {args.workers} workers, "
           f"{args.allocator} malloc", flush=True)
     t0 = time.perf_counter()

@@ -52,6 +52,9 @@ from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from common import host_info, host_line  # noqa: E402
+
 PY = sys.executable
 CLI = str(Path(PY).with_name("lm-pipeline"))
 MODES = ("off", "cold", "warm")
@@ -194,6 +197,8 @@ def main() -> None:
     targets = [t for t in args.targets.split(",") if t]
     work = Path(tempfile.mkdtemp(prefix="lm_startup_"))
     load_before = _loadavg()
+    host = host_info()
+    print(host_line(host))
     print(f"work dir {work}; load average before: {load_before}")
     results: dict[str, dict[str, list[dict]]] = {t: {m: [] for m in MODES} for t in targets}
     try:
@@ -216,7 +221,7 @@ def main() -> None:
     load_after = _loadavg()
     print(f"\nload average after: {load_after}")
     summary: dict[str, object] = {"load_before": load_before, "load_after": load_after, "rounds": args.rounds,
-                                  "cpu_count": os.cpu_count()}
+                                  "cpu_count": os.cpu_count(), **host}
     print(f"\n{'target':9s} {'mode':5s} {'first step s':>12s} {'stage s':>8s}  phases (median s)")
     for target in targets:
         med, stage = {}, {}

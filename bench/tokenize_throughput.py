@@ -34,6 +34,8 @@ import numpy as np
 # Heavy imports (TensorStore, JAX) happen inside main(): the cache builder's worker processes
 # are spawned and re-import this module, so it should import quickly.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import host_info, host_line  # noqa: E402
 
 
 def stdlib_texts(megabytes: float) -> list[str]:
@@ -145,6 +147,8 @@ def main() -> None:
     from lm_pipeline.data.loader import CacheDataset, Prefetcher
     from lm_pipeline.data.textshard import TextShard
 
+    host = host_info()
+    print(host_line(host), flush=True)
     cores = len(os.sched_getaffinity(0))
     workers = args.workers or cores
     texts = stdlib_texts(args.mb)
@@ -272,6 +276,7 @@ def main() -> None:
         "prefetch_wait_max_ms": round(1e3 * ps["wait_max_s"], 3),
         "prefetch_steps_waiting_over_1ms": ps["steps_waiting_over_1ms"],
         "jax_platform": platform,
+        **host,
     }
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)

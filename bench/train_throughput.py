@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Counters, ensure_allocator, fmt_rate, loadavg, summarize  # noqa: E402
+from common import Counters, ensure_allocator, fmt_rate, host_info, host_line, loadavg, summarize  # noqa: E402
 
 VOCAB = 8192
 LR, BETAS, EPS, WD, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
@@ -338,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         if s not in SHAPES:
             p.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
 
+    host = host_info()  # before any pinning below: the machine's cores
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = args.threads or cores
     if threads < cores:
@@ -352,6 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(threads)
+    print(host_line(host))
     print(f"allocator: {allocator}")
     print(f"jax {jax.__version__} ({jax.devices()[0].platform}, {jax.device_count()} device), torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), XLA {threads} threads, {cores} cores, load {loadavg():.1f}")
@@ -378,6 +380,7 @@ def main(argv: list[str] | None = None) -> None:
         "best_window_ratio": {f"{s}_{k}": round(rat[s][k]["best"], 4) for s in shapes for k in PAIRS},
         "others_cores": {s: round(results[s]["others_cores"]["median"], 2) for s in shapes},
         "final_loss": {s: {n: round(v, 4) for n, v in results[s]["final_loss"].items()} for s in shapes},
+        **host,
     }
     print("RESULT " + json.dumps(result))
 
