@@ -5,7 +5,8 @@
 // the model's own: q [B, T, N, H], k/v [B, T, K, H] (N = K * G query heads share k/v head
 // n / G), o [B, T, N, H], lse [B, N, T], all float32 and row-major. Work is split over
 // (batch, head) pairs on XLA's intra-op thread pool; each pair's products are small
-// row-major GEMMs with a register-blocked 6 x 16 kernel, softmax and its gradient fused
+// row-major GEMMs with a register-blocked 6 x 16 kernel (6 x 32 where AVX-512 is built in),
+// softmax and its gradient fused
 // between them, so no [T, T] score map is written to memory and q, k, v need no transposes.
 
 #include <algorithm>
@@ -27,6 +28,7 @@ namespace {
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
 typedef int32_t i8v __attribute__((vector_size(32)));
+typedef float v16 __attribute__((vector_size(64)));
 
 constexpr int kBlockQ = 64;  // query rows per block
 
@@ -34,29 +36,50 @@ inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline void store8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
-// C[R, 8 * V] (+)= A[R, K] B[K, 8 * V] for R <= 6 rows and V <= 2 vectors of 8 columns.
-template <int R, int V>
+template <typename VT>
+constexpr int kLanes = sizeof(VT) / sizeof(float);
+template <typename VT>
+inline VT loadv(const float* p) {
+  VT r;
+  std::memcpy(&r, p, sizeof(VT));
+  return r;
+}
+template <typename VT>
+inline void storev(float* p, VT x) { std::memcpy(p, &x, sizeof(VT)); }
+template <typename VT>
+inline VT splatv(float x) { return VT{} + x; }
+
+// C[R, L * V] (+)= A[R, K] B[K, L * V] for R <= 6 rows and V <= 2 vectors of L = kLanes<VT>
+// columns. Each element of C sums over k in the same order whatever the vector width, so the
+// 16-lane (AVX-512) and 8-lane builds give the same values.
+template <typename VT, int R, int V>
 inline void kernel(int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
-  v8 c[R][V];
+  constexpr int L = kLanes<VT>;
+  VT c[R][V];
   for (int r = 0; r < R; ++r)
-    for (int u = 0; u < V; ++u) c[r][u] = acc ? load8(C + r * ldc + 8 * u) : splat(0.f);
+    for (int u = 0; u < V; ++u) c[r][u] = acc ? loadv<VT>(C + r * ldc + L * u) : splatv<VT>(0.f);
   for (int k = 0; k < K; ++k) {
-    v8 b[V];
-    for (int u = 0; u < V; ++u) b[u] = load8(B + k * ldb + 8 * u);
+    VT b[V];
+    for (int u = 0; u < V; ++u) b[u] = loadv<VT>(B + k * ldb + L * u);
     for (int r = 0; r < R; ++r) {
-      const v8 a = splat(A[r * lda + k]);
+      const VT a = splatv<VT>(A[r * lda + k]);
       for (int u = 0; u < V; ++u) c[r][u] += a * b[u];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int u = 0; u < V; ++u) store8(C + r * ldc + 8 * u, c[r][u]);
+    for (int u = 0; u < V; ++u) storev<VT>(C + r * ldc + L * u, c[r][u]);
 }
 
 template <int R>
 void rows_block(int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
   int j = 0;
-  for (; j + 16 <= N; j += 16) kernel<R, 2>(K, A, lda, B + j, ldb, C + j, ldc, acc);
-  for (; j + 8 <= N; j += 8) kernel<R, 1>(K, A, lda, B + j, ldb, C + j, ldc, acc);
+#ifdef __AVX512F__
+  for (; j + 32 <= N; j += 32) kernel<v16, R, 2>(K, A, lda, B + j, ldb, C + j, ldc, acc);
+  for (; j + 16 <= N; j += 16) kernel<v16, R, 1>(K, A, lda, B + j, ldb, C + j, ldc, acc);
+#else
+  for (; j + 16 <= N; j += 16) kernel<v8, R, 2>(K, A, lda, B + j, ldb, C + j, ldc, acc);
+#endif
+  for (; j + 8 <= N; j += 8) kernel<v8, R, 1>(K, A, lda, B + j, ldb, C + j, ldc, acc);
   for (; j < N; ++j) {
     for (int r = 0; r < R; ++r) {
       float s = acc ? C[r * ldc + j] : 0.f;
