@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import shutil
 import tempfile
@@ -27,6 +28,7 @@ __all__ = [
     "as_local",
     "basename",
     "access_problem",
+    "connect_problem",
     "copy_tree",
     "download_tree",
     "exclusive_lock",
@@ -114,9 +116,16 @@ def access_problem(url: PathLike) -> str | None:
     text = os.fspath(url)
     bucket = _bucket_of(text)
     scheme = text.split("://", 1)[0]
+    endpoint = _endpoint(scheme)
+    if endpoint is not None:  # one quick connection first: offline, the clients retry for a minute
+        why = connect_problem(endpoint)
+        if why is not None:
+            return (f"{text}: cannot reach {endpoint} ({why}); check this machine's network connection (and proxy "
+                    "settings), or use a local path")
     try:
-        store, _ = get_fs(text)
-        store.ls(bucket)
+        with _quiet(*_CLIENT_LOGGERS):  # the one line below says it; not the clients' retry tracebacks
+            store, _ = get_fs(text)
+            store.ls(bucket)
     except FileNotFoundError:
         return f"{text}: the bucket {bucket!r} does not exist (or is not visible with these credentials); create it or fix the URL"
     except PermissionError as e:
@@ -131,6 +140,89 @@ def access_problem(url: PathLike) -> str | None:
                     f"{_CHAIN.get(scheme, 'credential chain')}")
         return f"{text}: cannot be listed ({kind}: {first})"
     return None
+
+
+#: Loggers of the object-store clients: their retries log whole tracebacks.
+_CLIENT_LOGGERS = ("gcsfs", "s3fs", "aiobotocore", "botocore", "google.auth", "urllib3")
+
+#: Seconds a reachability check waits for a connection (name lookup included).
+CONNECT_TIMEOUT_S = 3.0
+
+
+@contextlib.contextmanager
+def _quiet(*names: str) -> Iterator[None]:
+    """Only CRITICAL records of the loggers ``names`` during the block."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _endpoint(scheme: str) -> str | None:
+    """The endpoint the client of ``scheme`` talks to (from the standard variables), or None when not
+    known here. Computed without creating the client: a GCS client looks for credentials first,
+    which takes a quarter of a minute offline."""
+    if scheme in ("gs", "gcs"):
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+        if emulator and emulator != "default":
+            return emulator if emulator.startswith(("http://", "https://")) else f"http://{emulator}"
+        return "https://storage.googleapis.com"
+    if scheme in ("s3", "s3a"):
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        return s3_endpoint() or (f"https://s3.{region}.amazonaws.com" if region else "https://s3.amazonaws.com")
+    return None
+
+
+def _proxy_for(url: str) -> str | None:
+    """The proxy the standard variables route ``url`` through, if any."""
+    import urllib.request
+
+    host = url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
+    if urllib.request.proxy_bypass_environment(host):
+        return None
+    return urllib.request.getproxies_environment().get(url.split("://", 1)[0].lower())
+
+
+def connect_problem(url: str, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
+    """Why no TCP connection to the host of the http(s) ``url`` (or to the proxy the standard
+    variables name for it) opens within ``timeout`` seconds, name lookup included: one line
+    ('cannot resolve storage.googleapis.com: ...'); None when one does. Sends nothing."""
+    import socket
+    import threading
+    import urllib.parse
+
+    target = _proxy_for(url) or url
+    parts = urllib.parse.urlsplit(target if "://" in target else f"http://{target}")
+    host = parts.hostname or ""
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return f"invalid port in {target}"
+    where = f"{host}:{port}" + (f" (the proxy for {url})" if target != url else "")
+    result: list[str | None] = []
+
+    def attempt() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                result.append(None)
+        except socket.gaierror as e:
+            result.append(f"cannot resolve {host}: {e.strerror or e}")
+        except TimeoutError:
+            result.append(f"no answer from {where} within {timeout:g} s")
+        except OSError as e:
+            result.append(f"cannot connect to {where}: {e.strerror or e}")
+
+    thread = threading.Thread(target=attempt, name="lm-pipeline-connect-check", daemon=True)
+    thread.start()
+    thread.join(timeout)  # a name lookup has no timeout of its own
+    if not result:
+        return f"no answer from {where} within {timeout:g} s"
+    return result[0]
 
 
 #: Where each object store's client looks for credentials (named in error messages).
