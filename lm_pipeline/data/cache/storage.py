@@ -48,6 +48,21 @@ KNOWN_ENTRIES = {LEDGER, COMPLETE, LOCK, PACKING_DIR, *ARRAYS}
 # One context for the process: shares the chunk cache and makes memory:// stores visible across
 # opens. Cached chunks are revalidated on every read, so readers of a growing cache stay fresh.
 _CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 64 << 20}})
+_ENV_CREDENTIALS_CONTEXT: ts.Context | None = None
+
+
+def _context() -> ts.Context:
+    """The process's context; with AWS credentials in the environment, a child of it whose S3
+    credentials come from those variables only. TensorStore's default AWS chain also reads
+    ``~/.aws/config`` and ``~/.aws/credentials`` and logs an error line for each one missing, on
+    every S3 access (in every process: Ray workers too), although the credentials it then uses are
+    the same variables. Credentials never enter a spec either way."""
+    global _ENV_CREDENTIALS_CONTEXT
+    if not (os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")):
+        return _CONTEXT
+    if _ENV_CREDENTIALS_CONTEXT is None:
+        _ENV_CREDENTIALS_CONTEXT = ts.Context({"aws_credentials": {"type": "environment"}}, _CONTEXT)
+    return _ENV_CREDENTIALS_CONTEXT
 
 
 def dumps_json(obj: Any) -> bytes:
@@ -66,7 +81,7 @@ class CacheRoot:
             self._kv = None
         else:
             self.path = text.rstrip("/")
-            self._kv = ts.KvStore.open(kvstore_spec(self.path), context=_CONTEXT).result()
+            self._kv = ts.KvStore.open(kvstore_spec(self.path), context=_context()).result()
 
     def __str__(self) -> str:
         return self.path
@@ -197,12 +212,12 @@ def create_array(root: CacheRoot, name: str) -> ts.TensorStore:
             }
         ],
     }
-    return ts.open(spec, create=True, delete_existing=True, context=_CONTEXT).result()
+    return ts.open(spec, create=True, delete_existing=True, context=_context()).result()
 
 
 def open_array(root: CacheRoot, name: str) -> ts.TensorStore:
     """Open the existing array ``name``."""
-    return ts.open(_array_spec(root, name), open=True, context=_CONTEXT).result()
+    return ts.open(_array_spec(root, name), open=True, context=_context()).result()
 
 
 def resized(arr: ts.TensorStore, n: int) -> ts.TensorStore:
