@@ -28,6 +28,7 @@ _EXPORTS = {
     "export_hf": "export",
     "export_hook": "export",
     "export_state_dict": "export",
+    "hf_save_dir": "export",
     "upload_hf": "export",
     "config_from_hf": "load",
     "load_hf_checkpoint": "load",

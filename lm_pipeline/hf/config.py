@@ -43,7 +43,7 @@ class ExportConfig:
     """Hugging Face exports of the trained model (Levanter's hf_save_* keys; `hf_save_steps`, `hf_save_path`, `hf_upload` are also accepted at the top level, as Levanter writes them)."""
 
     hf_save_steps: int | None = field(None, help="Export a Hugging Face checkpoint every this many steps (and at the end of training); null = only on request (`lm-pipeline export`).", semantic=False)
-    hf_save_path: str | None = field(None, help="Directory under which exports are written as step-<N>/; null = <run_dir>/hf.", semantic=False)
+    hf_save_path: str | None = field(None, help="Directory under which each run's exports are written, as <hf_save_path>/<run id>/step-<N>/ (runs sharing it keep apart); null = <run_dir>/hf/step-<N>/.", semantic=False)
     hf_upload: str | None = field(None, help="Hub repo id ('org/name') to upload each export to; null = no upload.", semantic=False)
     hf_upload_private: bool = field(True, help="Create the hub repo as private if it does not exist.", semantic=False)
     max_shard_size: str = field("5GB", help="Largest safetensors file; bigger models are sharded with a model.safetensors.index.json ('500MB', '5GB', '2GiB').")

@@ -10,9 +10,14 @@
 
 Weights are written with the ``safetensors`` library (metadata ``format: pt``), tied LM heads
 once (as ``save_pretrained`` does), and a vocabulary padded beyond the tokenizer's is sliced back
-to the tokenizer's size. The directory is built under a temporary name beside the target and
-renamed into place, so a reader never sees a half-written export. Writing the same weights twice
-gives byte-identical files.
+to the tokenizer's size, unless the run started from a Hugging Face model whose vocabulary was
+padded so: then the export has that model's rows, as it had. The position count is what the model
+holds: GPT-2's ``n_positions`` is its learned position table's rows; a Llama's
+``max_position_embeddings`` is the larger of its ``seq_len`` and that of the Hugging Face model
+its run started from (a run trained at a shorter length keeps the model's context). What the run
+started from is read from the checkpoint's ``hf_source.json`` (see :mod:`lm_pipeline.hf.start`).
+The directory is built under a temporary name beside the target and renamed into place, so a
+reader never sees a half-written export. Writing the same weights twice gives byte-identical files.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from lm_pipeline.models.hf_mapping import hf_config, to_hf_state_dict
 
 log = logging.getLogger(__name__)
 
-__all__ = ["export_hf", "export_hook", "export_state_dict", "upload_hf"]
+__all__ = ["export_hf", "export_hook", "export_state_dict", "hf_save_dir", "upload_hf"]
 
 _EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -107,8 +112,25 @@ def _token_ids(tokenizer_dir: str | None) -> dict[str, int | None]:
     return {"bos_token_id": info.bos_id, "eos_token_id": info.eos_id, "pad_token_id": info.pad_id}
 
 
-def _export_config_json(cfg: LmConfig, vocab: int, dtype: str, ids: Mapping[str, int | None]) -> dict[str, Any]:
+def _source_of(cfg: LmConfig, hf_source: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """The starting model's config.json when it is of ``cfg``'s family, else {}."""
+    return hf_source if hf_source and hf_source.get("model_type") == getattr(cfg, "type", None) else {}
+
+
+def _positions(cfg: LmConfig, state: Mapping[str, np.ndarray], hf_source: Mapping[str, Any] | None) -> int:
+    """The exported position count: GPT-2's learned table's rows; a Llama's seq_len, or the larger
+    ``max_position_embeddings`` of the Hugging Face model its run started from."""
+    if "transformer.wpe.weight" in state:
+        return int(state["transformer.wpe.weight"].shape[0])
+    source = _source_of(cfg, hf_source).get("max_position_embeddings")
+    return max(int(cfg.seq_len), int(source) if isinstance(source, int) else 0)
+
+
+def _export_config_json(cfg: LmConfig, vocab: int, dtype: str, ids: Mapping[str, int | None],
+                        positions: int | None = None) -> dict[str, Any]:
     conf = hf_config(cfg, vocab)
+    if positions is not None:
+        conf["n_positions" if isinstance(cfg, Gpt2Config) else "max_position_embeddings"] = positions
     if isinstance(cfg, LlamaConfig):  # transformers >= 5 reads rope_parameters, 4.x rope_theta
         conf["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     conf.update(ids)  # explicit nulls too: HF's defaults (GPT-2: 50256) would be wrong here
@@ -141,6 +163,7 @@ def export_hf(
     max_shard_size: int | str = "5GB",
     overwrite: bool = True,
     progress: bool | None = None,
+    hf_source: Mapping[str, Any] | None = None,
 ) -> str:
     """Write a Hugging Face ``transformers`` model directory (see the module docstring).
 
@@ -152,15 +175,20 @@ def export_hf(
             (``s3://``, ``gs://``, ...): written locally, then published by :func:`publish_dir`.
         tokenizer_dir: tokenizer files to copy (default: the checkpoint's); without one the
             export holds only the model and no token ids.
-        vocab_size: vocabulary to export (default: the tokenizer's, else the model's); a model
-            vocabulary padded beyond it is sliced off.
+        vocab_size: vocabulary to export (default: the tokenizer's, else the model's; the
+            model's when ``hf_source`` had as many rows); a model vocabulary padded beyond it is
+            sliced off.
         dtype: 'float32', 'bfloat16' or 'float16'; None keeps the parameters' dtype.
         max_shard_size: the largest safetensors file before sharding ('5GB', '500MB', bytes).
         progress: a tqdm bar of the bytes written; None = only when stderr is a terminal.
+        hf_source: the ``config.json`` of the Hugging Face model the weights' run started from
+            (its position count and padded vocabulary are kept); default: what the checkpoint
+            recorded (``hf_source.json``), or a Hugging Face directory's own ``config.json``.
 
     Returns the export directory.
     """
-    model, cfg, tok = _export_source(source, config, tokenizer_dir)
+    model, cfg, tok, recorded = _export_source(source, config, tokenizer_dir)
+    hf_source = recorded if hf_source is None else hf_source
     if not fs.is_local(out_dir):  # an object store: export locally, then publish (config.json last)
         url = fs.norm(out_dir)
         if not overwrite and fs.exists(fs.join(url, CONFIG_NAME)):
@@ -168,7 +196,8 @@ def export_hf(
         staging = tempfile.mkdtemp(prefix="lm-pipeline-export-")
         try:
             local = export_hf(model, os.path.join(staging, "export"), config=cfg, tokenizer_dir=tok,
-                              vocab_size=vocab_size, dtype=dtype, max_shard_size=max_shard_size, progress=progress)
+                              vocab_size=vocab_size, dtype=dtype, max_shard_size=max_shard_size, progress=progress,
+                              hf_source=hf_source)
             publish_dir(local, url)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -177,6 +206,9 @@ def export_hf(
         from lm_pipeline.data.tokenizer import tokenizer_info
 
         vocab_size = tokenizer_info(tok).vocab_size
+        rows = int(model.token_embeddings.shape[0])
+        if rows > vocab_size and _source_of(cfg, hf_source).get("vocab_size") == rows:
+            vocab_size = rows  # the starting model's padded vocabulary, as it was
     state = export_state_dict(model, cfg, vocab_size=vocab_size, dtype=dtype)
     vocab = int(state[embedding_names(cfg)[0]].shape[0])
     weights_dtype = _dtype_name(next(iter(state.values())).dtype)
@@ -192,7 +224,8 @@ def export_hf(
     bar = tqdm(total=nbytes, desc="export", unit="B", unit_scale=True, disable=None if progress is None else not progress)
     t0 = time.perf_counter()
     try:
-        _write_export(tmp, state, max_shard_size, _export_config_json(cfg, vocab, weights_dtype, ids), ids, tok, bar)
+        conf = _export_config_json(cfg, vocab, weights_dtype, ids, _positions(cfg, state, hf_source))
+        _write_export(tmp, state, max_shard_size, conf, ids, tok, bar)
         _replace_dir(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -217,8 +250,10 @@ def publish_dir(local_dir: str, url: str) -> None:
 
 def _export_source(
     source: LmModel | str | os.PathLike, config: LmConfig | None, tokenizer_dir: str | os.PathLike | None
-) -> tuple[LmModel, LmConfig, str | None]:
-    """(model, its config, tokenizer dir or None) of :func:`export_hf`'s ``source``."""
+) -> tuple[LmModel, LmConfig, str | None, Mapping[str, Any] | None]:
+    """(model, its config, tokenizer dir or None, the starting Hugging Face model's config.json
+    or None) of :func:`export_hf`'s ``source``."""
+    recorded = None
     if isinstance(source, LmModel):
         model = source
         cfg = config if config is not None else getattr(model, "config", None)
@@ -229,7 +264,24 @@ def _export_source(
         model, cfg = loaded.model, config if config is not None else loaded.config.model
         if tokenizer_dir is None:
             tokenizer_dir = loaded.tokenizer_dir
-    return model, cfg, None if tokenizer_dir is None else os.fspath(tokenizer_dir)
+        recorded = _recorded_source(source, loaded.config)
+    return model, cfg, None if tokenizer_dir is None else os.fspath(tokenizer_dir), recorded
+
+
+def _recorded_source(source: str | os.PathLike, run_cfg: Any) -> Mapping[str, Any] | None:
+    """The starting Hugging Face model's config.json of a checkpoint: recorded in it, else (a
+    checkpoint written before runs recorded it) read from its run config's source if reachable."""
+    from lm_pipeline.hf.start import hf_source_config, read_hf_source
+
+    record = read_hf_source(source)
+    if record is not None:
+        return record.get("config")
+    try:
+        return hf_source_config(run_cfg)
+    except Exception as e:  # noqa: BLE001 - gone, offline: export with the run's own sizes
+        log.warning("export: cannot read the Hugging Face model the run started from (%s); the export's position "
+                    "count and vocabulary are the run's own", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
 
 
 def _write_export(
@@ -278,17 +330,21 @@ def export_hook(
     *,
     run_dir: str,
     tokenizer_dir: str | os.PathLike | None = None,
+    run_id: str | None = None,
+    hf_source: Mapping[str, Any] | None = None,
 ) -> Any:
     """A trainer :class:`~lm_pipeline.train.trainer.Hook` exporting every ``hf_save_steps`` to
-    ``<hf_save_path or run_dir/hf>/step-<N>`` (and uploading with ``hf_upload``), or None when
-    ``hf_save_steps`` is null. The final export at the end of training is the caller's."""
+    :func:`hf_save_dir` ``/step-<N>`` (and uploading with ``hf_upload``), or None when
+    ``hf_save_steps`` is null. The final export at the end of training is the caller's.
+    ``run_id`` (default: the run dir's name) names the run under ``hf_save_path``;
+    ``hf_source``: as for :func:`export_hf`."""
     if export_cfg.hf_save_steps is None:
         return None
     import jax
 
     from lm_pipeline.train.trainer import Hook
 
-    base = export_cfg.hf_save_path or fs.join(run_dir, "hf")
+    base = hf_save_dir(export_cfg, run_dir, run_id)
 
     def fn(info: Any) -> dict[str, float] | None:
         model = info.state.model
@@ -303,7 +359,7 @@ def export_hook(
         try:
             out = export_hf(model, target if staging is None else os.path.join(staging, f"step-{info.step}"),
                             tokenizer_dir=tokenizer_dir, dtype=export_cfg.dtype,
-                            max_shard_size=export_cfg.max_shard_size)
+                            max_shard_size=export_cfg.max_shard_size, hf_source=hf_source)
             if export_cfg.hf_upload:
                 upload_hf(out, export_cfg.hf_upload, private=export_cfg.hf_upload_private,
                           commit_message=f"step {info.step}")
@@ -315,3 +371,12 @@ def export_hook(
         return None
 
     return Hook(fn, every=export_cfg.hf_save_steps)
+
+
+def hf_save_dir(export_cfg: ExportConfig, run_dir: str, run_id: str | None = None) -> str:
+    """Where a run's ``hf_save_steps`` exports go (as ``step-<N>/``): ``<hf_save_path>/<run id>``,
+    so that runs sharing an ``hf_save_path`` keep apart, or ``<run_dir>/hf`` without one."""
+    if not export_cfg.hf_save_path:
+        return fs.join(run_dir, "hf")
+    rid = run_id or fs.basename(fs.norm(run_dir).rstrip("/"))
+    return fs.join(export_cfg.hf_save_path, rid)

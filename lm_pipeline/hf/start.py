@@ -7,6 +7,12 @@ sha256 of each safetensors file of a local directory) or, for a hub repo, by the
 so a run's fingerprint changes when the starting weights do and never when only their path does.
 :func:`is_hf_model_dir` tells a Hugging Face model directory from a training checkpoint, so that
 ``eval``, ``export`` and ``generate`` accept either.
+
+What the run keeps of its starting model: :func:`model_vocab_size` keeps a padded vocabulary (an
+embedding with more rows than the tokenizer has tokens, as many published checkpoints have), and
+:func:`hf_source_files` records the starting model's ``config.json`` in every checkpoint
+(``hf_source.json``), from which an export takes the position count and the vocabulary size the
+model had (:func:`read_hf_source`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,12 @@ from typing import Any
 
 from lm_pipeline.schema import ConfigError
 
-__all__ = ["hf_model_config", "hf_weights_identity", "is_hf_model_dir", "read_hf_config_json"]
+__all__ = ["HF_SOURCE_FILE", "hf_model_config", "hf_source", "hf_source_config", "hf_source_files",
+           "hf_weights_identity", "is_hf_model_dir", "model_vocab_size", "read_hf_config_json", "read_hf_source"]
+
+#: The file of a checkpoint that records the Hugging Face model its run started from:
+#: ``{"source": <dir or repo id>, "config": <its config.json>}``.
+HF_SOURCE_FILE = "hf_source.json"
 
 _IDENTITY_CACHE: dict[tuple, str] = {}
 
@@ -119,3 +130,84 @@ def hf_weights_identity(source: str) -> str:
                                   "and not in the local Hugging Face cache)") from None
         _IDENTITY_CACHE[key] = f"hub:{repo}@{commit}"
     return _IDENTITY_CACHE[key]
+
+
+def hf_source(cfg: Any) -> tuple[str, str] | None:
+    """(field, source) of the Hugging Face model a run starts from: ``initialize_from_hf``, or
+    ``trainer.initialize_from`` naming a local Hugging Face directory; None for other runs."""
+    if getattr(cfg, "initialize_from_hf", None):
+        return "initialize_from_hf", cfg.initialize_from_hf
+    start = getattr(cfg.trainer, "initialize_from", None)
+    if start and is_hf_model_dir(start):
+        return "trainer.initialize_from", start
+    return None
+
+
+def hf_source_config(cfg: Any) -> dict[str, Any] | None:
+    """The ``config.json`` of the Hugging Face model the run starts from (:func:`hf_source`), or
+    the one recorded by the checkpoint ``trainer.initialize_from`` names; None when there is none."""
+    found = hf_source(cfg)
+    if found is not None:
+        return read_hf_config_json(found[1])
+    start = getattr(cfg.trainer, "initialize_from", None)
+    if start:
+        record = read_hf_source(start)
+        return None if record is None else record.get("config")
+    return None
+
+
+def hf_source_files(cfg: Any) -> dict[str, str]:
+    """``{HF_SOURCE_FILE: json}`` for every checkpoint of a run that starts from a Hugging Face
+    model (directly, or through a checkpoint that recorded one); ``{}`` otherwise."""
+    found = hf_source(cfg)
+    if found is not None:
+        record = {"source": found[1], "config": read_hf_config_json(found[1])}
+    else:
+        start = getattr(cfg.trainer, "initialize_from", None)
+        record = read_hf_source(start) if start else None
+    if record is None:
+        return {}
+    return {HF_SOURCE_FILE: json.dumps(record, indent=2, sort_keys=True) + "\n"}
+
+
+def read_hf_source(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
+    """What a checkpoint recorded of the Hugging Face model its run started from
+    (``{"source", "config"}``), or None: a ``step-<N>`` dir or a run dir (its latest checkpoint);
+    a Hugging Face directory is its own source."""
+    from lm_pipeline import fs
+
+    path = os.fspath(checkpoint)
+    if is_hf_model_dir(path):
+        return {"source": path, "config": read_hf_config_json(path)}
+    from lm_pipeline.train.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(path)
+    if found is None:
+        return None
+    data = fs.read_bytes(fs.join(found, HF_SOURCE_FILE))
+    return None if data is None else json.loads(data.decode("utf-8"))
+
+
+def model_vocab_size(cfg: Any, tokenizer_vocab: int) -> int:
+    """The embedding rows of a run's model: the tokenizer's vocabulary, or, for a run that starts
+    from a Hugging Face model (:func:`hf_source`, or a checkpoint that recorded one) with a padded
+    vocabulary, that model's rows (the tokenizer's ids are the first of them; the padding rows
+    stay, as in the model). A tokenizer with more tokens than the model has rows is refused: its
+    last ids would have no embedding."""
+    found = hf_source(cfg)
+    if found is not None:
+        where, source = found
+        rows = read_hf_config_json(source).get("vocab_size")
+    elif getattr(cfg.trainer, "initialize_from", None):  # a checkpoint of a run that started from one
+        where, source = "trainer.initialize_from", cfg.trainer.initialize_from
+        rows = (hf_source_config(cfg) or {}).get("vocab_size")
+    else:
+        return tokenizer_vocab
+    if not isinstance(rows, int) or rows == tokenizer_vocab:
+        return tokenizer_vocab
+    if rows < tokenizer_vocab:
+        raise ConfigError(where, f"{source} has {rows} embedding rows but the tokenizer has {tokenizer_vocab} tokens: "
+                          "ids beyond the model's rows would have no embedding; train with the model's own "
+                          "tokenizer (leave data.tokenizer unset with use_hf_model_config: true, or point it at "
+                          "the model's directory)")
+    return rows

@@ -265,6 +265,7 @@ def train_ckpt(pipe: Pipeline, hooks: Sequence = ()) -> StageResult:
 
     def write(path: str):
         from lm_pipeline.hf import export_hook
+        from lm_pipeline.hf.start import hf_source_config
         from lm_pipeline.steps.pipeline import process_index
         from lm_pipeline.train.checkpoint import latest_checkpoint
         from lm_pipeline.train.run import train
@@ -287,7 +288,8 @@ def train_ckpt(pipe: Pipeline, hooks: Sequence = ()) -> StageResult:
             if hint:
                 log.warning("%s", hint)
         # Levanter's hf_save_steps: export every N steps, and once more at the end.
-        hf_hook = export_hook(pipe.export_config, run_dir=run_dir, tokenizer_dir=tok_dir)
+        hf_hook = export_hook(pipe.export_config, run_dir=run_dir, tokenizer_dir=tok_dir, run_id=pipe.run_id(),
+                              hf_source=hf_source_config(pipe.cfg) if pipe.export_config.hf_save_steps else None)
         try:
             res = train(pipe.cfg, train_data=train_ds, vocab_size=vocab, eval_data=evals,
                         eval_bytes_per_token={n: d.bytes_per_token for n, d in evals.items()},
