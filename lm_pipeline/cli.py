@@ -7,8 +7,9 @@ values parsed as YAML); the config is validated before any compute starts.
     lm-pipeline cache    --config_path ...            # build the tokenizer and token cache only
                          [--ray_address ADDR]         # ... with one Ray task per shard group
     lm-pipeline plan     --config_path ...            # hit / miss per stage, and why
-    lm-pipeline eval     --config_path ... --checkpoint_path RUN_OR_STEP_DIR [--output_dir DIR]
-    lm-pipeline export   --checkpoint_path STEP_DIR --output_dir DIR
+    lm-pipeline eval     --config_path ... [--checkpoint_path RUN_OR_STEP_DIR] [--output_dir DIR]
+    lm-pipeline export   --config_path ... [--checkpoint_path STEP_DIR] --output_dir DIR
+                         # without --checkpoint_path: the latest checkpoint of the config's run
     lm-pipeline generate --checkpoint_path STEP_DIR --prompt "def main(" [--temperature 0.8]
     lm-pipeline estimate --config_path ... [--num_devices 8] [--budget_gib 80]
     lm-pipeline lineage  PATH_OR_FINGERPRINT [--store ROOT | --config_path ...] [--json]
@@ -89,9 +90,15 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
     p.add_argument("--log_level", default="INFO")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error (also $LM_PIPELINE_DEBUG=1)")
     if cmd in ("eval", "export", "generate"):
-        p.add_argument("--checkpoint_path", required=True, help="a step-N dir, or a run dir (its latest checkpoint)")
+        p.add_argument("--checkpoint_path", required=cmd == "generate", default=None,
+                       help="a step-N dir, or a run dir (its latest checkpoint)" + (
+                           "" if cmd == "generate" else "; default: the latest checkpoint of the config's run"))
     if cmd in ("eval", "export"):
         p.add_argument("--output_dir", required=cmd == "export", default=None)
+    if cmd == "train":
+        p.add_argument("--resume_from_checkpoint", nargs="?", const=True, default=None, metavar="PATH",
+                       help="resume from the latest complete checkpoint under PATH; with no PATH, from the latest one "
+                            "in the checkpoint dir (trainer.checkpointer.base_path; without one, the run's own)")
     if cmd == "estimate":
         p.add_argument("--num_devices", type=int, default=None, help="default: the devices JAX sees")
         p.add_argument("--vocab_size", type=int, default=None, help="default: the tokenizer's real vocabulary (data.tokenizer: trained BPE: its vocab_size; a Hugging Face name or directory: read from its tokenizer.json)")
@@ -131,6 +138,20 @@ def _resolve_checkpoint(path: str) -> str:
     return found
 
 
+def _run_checkpoint(cfg) -> str:
+    """The latest complete checkpoint of the config's run (``eval`` / ``export`` without
+    ``--checkpoint_path``, as Levanter's export takes only the config)."""
+    from lm_pipeline.steps import Pipeline
+    from lm_pipeline.train.checkpoint import latest_checkpoint
+
+    run_dir = Pipeline(cfg, progress=False).run_dir()
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        raise ConfigError("checkpoint_path", f"not given, and the config's run ({run_dir}) has no complete checkpoint: "
+                          "train it first (lm-pipeline train with this config), or pass --checkpoint_path")
+    return found
+
+
 def _eval(cfg, ckpt: str, output_dir: str | None) -> int:
     """Evaluate ``ckpt`` on the config's validation sets, tokenized with the checkpoint's tokenizer."""
     from lm_pipeline import fs
@@ -151,7 +172,7 @@ def _eval(cfg, ckpt: str, output_dir: str | None) -> int:
     _, evals, _, _ = pipe.datasets(cache)
     ev = cfg.eval
     df = evaluate_checkpoint(ckpt, evals, batch_size=ev.batch_size, max_eval_batches=ev.max_eval_batches,
-                             compute_dtype=ev.compute_dtype,
+                             compute_dtype=ev.compute_dtype, store_root=cfg.store.root,
                              train_cache=f"{cache.path}/train" if ev.unigram_baseline else None)
     out = output_dir or ev.report_dir or fs.join(ckpt, "eval")
     files = write_report(df, out)
@@ -249,6 +270,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lm_pipeline.config import load_config
 
         cfg = load_config(args.config_path, list(overrides))
+        if getattr(args, "resume_from_checkpoint", None) is not None:  # LLM-Trainer's flag (a path, or none)
+            from lm_pipeline.compat.llm_trainer import resume_overrides
+            from lm_pipeline.config import parse_overrides
+
+            resume = resume_overrides(args.resume_from_checkpoint, cfg.trainer.checkpointer.base_path)
+            cfg = load_config(args.config_path, [*parse_overrides(list(overrides)), *resume])
         if cmd in _REEXEC_COMMANDS:
             from lm_pipeline.launch import tcmalloc_status
 
@@ -292,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _estimate(cfg, args)
         if cmd == "lineage":
             return _lineage(cfg, args)
-        ckpt = _resolve_checkpoint(args.checkpoint_path)
+        ckpt = _resolve_checkpoint(args.checkpoint_path) if args.checkpoint_path else _run_checkpoint(cfg)
         if cmd == "eval":
             return _eval(cfg, ckpt, args.output_dir)
         if cmd == "export":

@@ -56,14 +56,15 @@ def test_trainer_keys_load_to_the_same_config_as_ours():
           "trainer.report_to": ["tensorboard", "wandb"], "trainer.resume_from_checkpoint": "old/run"},
          {"trainer.train_batch_size": 32, "trainer.per_device_parallelism": 8, "trainer.gradient_accumulation_steps": 2,
           "trainer.steps_per_eval": 50, "trainer.log_every": 5,
-          "trainer.checkpointer": {"keep": [{"every": 100}], "keep_last": 3, "base_path": "ckpts"},
+          "trainer.checkpointer": {"keep": [{"every": 100}], "keep_last": 3, "base_path": "ckpts", "keep_best": True},
           "trainer.mp": "p=f32,c=float16", "trainer.tracker": [{"type": "tensorboard"}, {"type": "wandb"}],
           "trainer.load_checkpoint_path": "old/run"})
-    same({"trainer.use_amp": False}, {"trainer.mp": "f32"})
-    same({"trainer.use_amp": True, "trainer.amp_dtype": "bfloat16"}, {"trainer.mp": "p=f32,c=bfloat16"})
-    same({"trainer.use_amp": True}, {"trainer.mp": "auto"})
-    same({"trainer.report_to": "none"}, {})
-    same({"trainer.checkpointer.save_total_limit": 2}, {"trainer.checkpointer.keep_last": 2})
+    best = {"trainer.checkpointer.keep_best": True}  # LLM-Trainer's keys: the best model is kept (as there)
+    same({"trainer.use_amp": False}, {"trainer.mp": "f32", **best})
+    same({"trainer.use_amp": True, "trainer.amp_dtype": "bfloat16"}, {"trainer.mp": "p=f32,c=bfloat16", **best})
+    same({"trainer.use_amp": True}, {"trainer.mp": "auto", **best})
+    same({"trainer.report_to": "none"}, best)
+    same({"trainer.checkpointer.save_total_limit": 2}, {"trainer.checkpointer.keep_last": 2, **best})
     # Levanter's spellings still work, and `batch_size` stays Levanter's GLOBAL batch
     same({"trainer.batch_size": 64, "trainer.per_device_train_parallelism": 16},
          {"trainer.train_batch_size": 64, "trainer.per_device_parallelism": 16})

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OVERRIDES_ENV", "DataConfig", "ModelConfig", "TrainingConfig", "fit_warmup", "to_run_config", "train"]
+__all__ = ["OVERRIDES_ENV", "DataConfig", "ModelConfig", "TrainingConfig", "fit_warmup", "resume_overrides",
+           "to_run_config", "train"]
 
 #: Dotted ``RunConfig`` overrides that :func:`train` applies last (``key=value`` pairs, the same
 #: variable and syntax as the Dagster layer's experiments).
@@ -169,11 +170,7 @@ def _trainer_and_optimizer(t: TrainingConfig, devices: int) -> tuple[dict[str, A
         tracker = report_to_trackers(t.report_to)
     except ConfigError as e:
         raise ConfigError(f"TrainingConfig.{e.path}", e.message) from None
-    resume: dict[str, Any] = {}
-    if isinstance(t.resume_from_checkpoint, bool):
-        resume["load_checkpoint"] = t.resume_from_checkpoint
-    elif t.resume_from_checkpoint is not None:
-        resume["load_checkpoint_path"] = str(t.resume_from_checkpoint)
+    resume = {k.removeprefix("trainer."): v for k, v in resume_overrides(t.resume_from_checkpoint, t.checkpoint_dir)}
     trainer = {
         # LLM-Trainer's batch_size is per device and per micro-batch: the global batch is their product
         "train_batch_size": devices * t.batch_size * t.gradient_accumulation_steps,
@@ -184,7 +181,8 @@ def _trainer_and_optimizer(t: TrainingConfig, devices: int) -> tuple[dict[str, A
         "steps_per_eval": t.eval_steps,
         "log_every": t.logging_steps,
         "checkpointer": {"base_path": t.checkpoint_dir, "keep": [{"every": t.save_steps}],
-                         "keep_last": t.save_total_limit},
+                         "keep_last": t.save_total_limit,
+                         "keep_best": True},  # LLM-Trainer keeps the best model (lowest validation loss)
         "tracker": tracker,
         **resume,
     }
@@ -198,6 +196,20 @@ def _trainer_and_optimizer(t: TrainingConfig, devices: int) -> tuple[dict[str, A
         "warmup": int(t.warmup_steps),
     }
     return trainer, optimizer
+
+
+def resume_overrides(value: str | bool | None, checkpoint_dir: str | None) -> list[tuple[str, Any]]:
+    """LLM-Trainer's ``resume_from_checkpoint`` as dotted overrides: a path resumes from the latest
+    complete checkpoint under it; ``True`` (the command line's flag without a value) from the latest
+    one in the checkpoint dir (``checkpoint_dir``, i.e. ``trainer.checkpointer.base_path``; without
+    one, the run's own directory); either must exist. ``False``: never resume; None: nothing."""
+    if value is None:
+        return []
+    if isinstance(value, bool):
+        if value and checkpoint_dir:
+            return [("trainer.load_checkpoint", True), ("trainer.load_checkpoint_path", str(checkpoint_dir))]
+        return [("trainer.load_checkpoint", value)]
+    return [("trainer.load_checkpoint_path", str(value))]
 
 
 def _data_section(d: DataConfig, m: ModelConfig, tokenizer: str | Mapping[str, Any] | None) -> dict[str, Any]:

@@ -182,6 +182,7 @@ def evaluate_checkpoint(
     compute_dtype: Any = None,
     train_cache: Any = None,
     unigram: UnigramBaseline | None = None,
+    store_root: str | None = None,
 ) -> pd.DataFrame:
     """Evaluate one checkpoint on named validation sets; a validated report table.
 
@@ -193,6 +194,9 @@ def evaluate_checkpoint(
         compute_dtype: dtype of the forward pass; default: the run's compute dtype (trainer.mp).
         train_cache: the training token cache (or its location) for the unigram baseline; or
             pass a precomputed ``unigram`` (see :func:`unigram_baseline`). Neither: no baseline.
+        store_root: the store whose XLA compilation cache the evaluation uses
+            (:mod:`lm_pipeline.xla_cache`); default: the checkpoint's run config's, and for a
+            Hugging Face directory (no store of its own) the user's cache directory.
 
     Returns one row per dataset plus the ``_micro`` and ``_macro`` aggregates.
     """
@@ -202,7 +206,7 @@ def evaluate_checkpoint(
         unigram = _unigram_for(loaded, train_cache)
     return _evaluate_loaded(
         path, loaded, datasets, batch_size=batch_size, max_eval_batches=max_eval_batches,
-        compute_dtype=compute_dtype, unigram=unigram,
+        compute_dtype=compute_dtype, unigram=unigram, store_root=store_root,
     )
 
 
@@ -218,9 +222,13 @@ def _unigram_for(loaded: LoadedCheckpoint, train_cache: Any) -> UnigramBaseline:
 
 def _evaluate_loaded(
     path: str, loaded: LoadedCheckpoint, datasets: Mapping[str, SequenceDataset], *, batch_size: int,
-    max_eval_batches: int | None, compute_dtype: Any, unigram: UnigramBaseline | None,
+    max_eval_batches: int | None, compute_dtype: Any, unigram: UnigramBaseline | None, store_root: str | None = None,
 ) -> pd.DataFrame:
-    enable_xla_cache(loaded.config.store.root)
+    from lm_pipeline.hf.start import is_hf_model_dir
+
+    if store_root is None and not is_hf_model_dir(path):
+        store_root = loaded.config.store.root
+    enable_xla_cache(store_root)
     if compute_dtype is None:
         from lm_pipeline.train.config import parse_mp
 
@@ -247,6 +255,7 @@ def evaluate_checkpoints(
     compute_dtype: Any = None,
     train_cache: Any = None,
     unigram: UnigramBaseline | None = None,
+    store_root: str | None = None,
 ) -> pd.DataFrame:
     """:func:`evaluate_checkpoint` for several checkpoints (each evaluated once; the unigram
     baseline computed once), concatenated into one report."""
@@ -263,7 +272,7 @@ def evaluate_checkpoints(
             unigram = _unigram_for(loaded, train_cache)
         frames.append(_evaluate_loaded(
             path, loaded, datasets, batch_size=batch_size, max_eval_batches=max_eval_batches,
-            compute_dtype=compute_dtype, unigram=unigram,
+            compute_dtype=compute_dtype, unigram=unigram, store_root=store_root,
         ))
     if not frames:
         raise ValueError("no checkpoints to evaluate")

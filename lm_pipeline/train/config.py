@@ -403,11 +403,23 @@ def report_to_trackers(value: Any) -> list[dict[str, Any]]:
     return out
 
 
+#: LLM-Trainer's TrainingConfig keys (under ``trainer:``; the first two also under ``checkpointer:``).
+#: A trainer section spelled with any of them keeps the best model (``checkpointer.keep_best``
+#: defaults to true), as LLM-Trainer does.
+LLM_TRAINER_KEYS = ("save_steps", "save_total_limit", "checkpoint_dir", "eval_steps", "logging_steps", "use_amp",
+                    "amp_dtype", "report_to", "resume_from_checkpoint")
+
+
 def _llm_trainer_raw(data: dict[str, Any]) -> dict[str, Any]:
     """LLM-Trainer's TrainingConfig keys that are not plain aliases, rewritten to ours:
     ``use_amp``/``amp_dtype`` -> ``mp``, ``report_to`` -> ``tracker``, ``save_steps``,
     ``save_total_limit`` and ``checkpoint_dir`` -> ``checkpointer`` (its keep rule ``every``,
-    ``keep_last``, ``base_path``)."""
+    ``keep_last``, ``base_path``), ``resume_from_checkpoint: true`` (the flag without a path) ->
+    ``load_checkpoint: true`` from the latest checkpoint in ``checkpoint_dir``; and with any of
+    :data:`LLM_TRAINER_KEYS`, ``checkpointer.keep_best`` defaults to true."""
+    nested = data.get("checkpointer")
+    llm_trainer = any(k in data for k in LLM_TRAINER_KEYS) or (
+        isinstance(nested, dict) and any(k in nested for k in ("save_steps", "save_total_limit")))
     if "use_amp" in data or "amp_dtype" in data:
         if "mp" in data:
             raise ConfigError("use_amp" if "use_amp" in data else "amp_dtype",
@@ -428,4 +440,15 @@ def _llm_trainer_raw(data: dict[str, Any]) -> dict[str, Any]:
             if key in ckpt:
                 raise ConfigError(key, f"given twice (as trainer.{key} and as trainer.checkpointer.{key})")
         data["checkpointer"] = {**ckpt, **moved}
+    if isinstance(data.get("resume_from_checkpoint"), bool):
+        resume = data.pop("resume_from_checkpoint")
+        data["load_checkpoint"] = resume  # true: must exist; false: never resume
+        base = (data.get("checkpointer") or {}).get("base_path") if isinstance(data.get("checkpointer"), dict) else None
+        if resume and base and not data.get("load_checkpoint_path"):
+            data["load_checkpoint_path"] = base  # the latest checkpoint in the checkpoint dir
+    if llm_trainer:
+        ckpt = data.get("checkpointer")
+        ckpt = {} if ckpt is None else ckpt
+        if isinstance(ckpt, dict) and "keep_best" not in ckpt:
+            data["checkpointer"] = {**ckpt, "keep_best": True}
     return data

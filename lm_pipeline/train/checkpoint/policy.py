@@ -96,7 +96,9 @@ class CheckpointerConfig:
     )
     keep_best: bool = field(
         False,
-        help="Keep a copy best/ of the checkpoint with the lowest eval loss; an improving eval forces a save.",
+        help="Keep a copy best/ of the checkpoint with the lowest eval loss; an improving eval forces a save. "
+        "Defaults to true when the trainer section uses LLM-Trainer's keys (save_steps, eval_steps, checkpoint_dir, "
+        "...), as LLM-Trainer keeps its best model.",
         semantic=False,
     )
 
