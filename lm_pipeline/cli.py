@@ -127,9 +127,17 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
 
 def _resolve_checkpoint(path: str) -> str:
     """A complete checkpoint at or under ``path``, or a local Hugging Face model directory."""
+    import os
+
     from lm_pipeline.hf.start import is_hf_model_dir
+    from lm_pipeline.inputs import hf_model_dir_problem
     from lm_pipeline.train.checkpoint import latest_checkpoint
 
+    names = set(os.listdir(path)) if os.path.isdir(path) else set()
+    if "config.json" in names and "checkpoint.json" not in names:  # a Hugging Face model directory
+        problem = hf_model_dir_problem(path, "--checkpoint_path")  # its config.json invalid, no weights
+        if problem:
+            raise ConfigError("checkpoint_path", problem)
     if is_hf_model_dir(path):
         return path
     found = latest_checkpoint(path)

@@ -99,7 +99,11 @@ def _hf_model_config_raw(data: dict[str, Any]) -> dict[str, Any]:
     if not (isinstance(source, str) and source.strip() and data.get("use_hf_model_config") is True):
         return data
     from lm_pipeline.hf.start import hf_model_config
+    from lm_pipeline.inputs import hf_model_dir_problem, hub_model_problem
 
+    problem = hf_model_dir_problem(source, "initialize_from_hf") or hub_model_problem(source, "initialize_from_hf")
+    if problem:
+        raise ConfigError("initialize_from_hf", problem)
     hf_cfg = hf_model_config(source)
     model = data.get("model") or {}
     if not isinstance(model, dict):

@@ -94,15 +94,15 @@ def _write_dir(
     roles: dict[str, str | None],
     extra: dict[str, Any] | None = None,
     additional: list[str] | None = None,
+    source: str | None = None,
 ) -> TokenizerInfo:
-    """Write the three files (configs first, tokenizer.json last) and return the info."""
-    from tokenizers import Tokenizer
-
+    """Write the three files (configs first, tokenizer.json last) and return the info;
+    ``source`` names where ``tokenizer_json`` was read from (in an error)."""
     from lm_pipeline import fs
 
     out = os.fspath(out_dir)
+    tok = _parse_tokenizer(tokenizer_json, source or TOKENIZER_FILE)
     fs.makedirs(out)
-    tok = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
     for role, token in roles.items():
         if token is not None and tok.token_to_id(token) is None:
             raise TokenizerError(f"{role} {token!r} is not in the tokenizer's vocabulary")
@@ -239,8 +239,36 @@ def _read_json(path: str) -> dict[str, Any]:
     text = fs.read_text(path)
     if text is None:
         return {}
-    data = json.loads(text)
+    return _json_object(text, path)
+
+
+def _json_object(text: str | bytes, path: str) -> dict[str, Any]:
+    """The JSON object in ``text`` (read from ``path``; anything but an object: {}); a syntax error
+    is a :class:`TokenizerError` naming the file, line and column."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"'{path}' is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); replace the "
+                             "tokenizer directory with an intact copy") from None
     return data if isinstance(data, dict) else {}
+
+
+def _parse_tokenizer(data: bytes, path: str):
+    """The ``tokenizers.Tokenizer`` of the ``tokenizer.json`` bytes ``data`` (read from ``path``);
+    a file it cannot load is a :class:`TokenizerError` naming the file and the parse error."""
+    from tokenizers import Tokenizer
+
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"'{path}' is not a tokenizer file (not UTF-8 text: {e.reason} at byte {e.start}); "
+                             "replace the tokenizer directory with an intact copy") from None
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise TokenizerError(f"'{path}' is not a tokenizer file the tokenizers library can load ({first}); replace "
+                             "the tokenizer directory with an intact copy") from None
 
 
 def load_hf_tokenizer(
@@ -259,12 +287,18 @@ def load_hf_tokenizer(
     supplies) the EOS token; it must be in the vocabulary.
     """
     from lm_pipeline import fs
+    from lm_pipeline.inputs import tokenizer_problem
 
+    problem = tokenizer_problem(name_or_path)  # a local path that is missing, a file, or corrupt
+    if problem:
+        raise TokenizerError(f"data.tokenizer: {problem}")
     local = os.path.expanduser(name_or_path) if fs.is_local(name_or_path) else name_or_path.rstrip("/")
     additional: list[str] = []
     found = fs.read_bytes(_join(local, TOKENIZER_FILE))
+    source = _join(local, TOKENIZER_FILE)
     if found is not None:  # a directory (local or on an object store) holding tokenizer.json
         data = found
+        _parse_tokenizer(data, source)  # before its special tokens are looked for
         conf = _read_json(_join(local, CONFIG_FILE))
         smap = _read_json(_join(local, SPECIAL_MAP_FILE))
         roles = {r: _token_str(smap.get(r, conf.get(r))) for r in _ROLES}
@@ -275,13 +309,17 @@ def load_hf_tokenizer(
             t for t in (_token_str(v) for v in smap.get("additional_special_tokens", []) or []) if t
         ]
     else:
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise TokenizerError(
-                f"{name_or_path!r} has no tokenizer.json; loading it needs transformers: pip install 'lm-pipeline[hf]'"
-            ) from e
-        hf = AutoTokenizer.from_pretrained(name_or_path, revision=revision)
+        def auto_tokenizer() -> Any:
+            try:
+                from transformers import AutoTokenizer
+            except ImportError as e:  # pragma: no cover - depends on the environment
+                raise TokenizerError(
+                    f"{name_or_path!r} has no tokenizer.json; loading it needs transformers: pip install 'lm-pipeline[hf]'"
+                ) from e
+            return AutoTokenizer
+
+        hf = _auto_tokenizer(auto_tokenizer, name_or_path, revision)
+        source = name_or_path
         if not getattr(hf, "is_fast", False):
             raise TokenizerError(
                 f"{name_or_path!r} has no fast (tokenizers) version; the pipeline needs tokenizer.json"
@@ -298,7 +336,35 @@ def load_hf_tokenizer(
         raise TokenizerError(
             f"{name_or_path!r} defines no eos_token; set data.tokenizer.eos_token to one of its special tokens"
         )
-    return _write_dir(out_dir, data, roles, extra, additional=additional)
+    return _write_dir(out_dir, data, roles, extra, additional=additional, source=source)
+
+
+def _auto_tokenizer(auto: Any, name_or_path: str, revision: str | None) -> Any:
+    """``AutoTokenizer.from_pretrained`` of a local directory or a hub id, failing in one line:
+    a hub id when the hub cannot be reached (checked once, in seconds: :mod:`lm_pipeline.hf.hub`)
+    comes from the local Hugging Face cache or not at all."""
+    from lm_pipeline import fs
+    from lm_pipeline.hf import hub
+
+    local = fs.is_local(name_or_path) and os.path.isdir(os.path.expanduser(name_or_path))
+    offline = None if local else hub.unreachable()
+
+    def not_cached() -> TokenizerError:
+        return TokenizerError("data.tokenizer: " + hub.offline_message(
+            "tokenizer", name_or_path, str(offline), "point data.tokenizer at a local directory holding its tokenizer.json"))
+
+    if offline is not None and not hub.in_cache(name_or_path, ("tokenizer.json", "tokenizer_config.json"), revision):
+        raise not_cached()  # before importing transformers (seconds) for nothing
+    try:
+        return auto().from_pretrained(name_or_path, revision=revision, local_files_only=offline is not None)
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError, the hub client's errors: one line each
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if offline is not None:
+            raise not_cached() from None
+        where = "the directory" if local else "the hub id"
+        raise TokenizerError(f"data.tokenizer: {where} {name_or_path!r} cannot be loaded as a tokenizer ({first}); "
+                             "point data.tokenizer at a directory holding tokenizer.json, or at a hub id such as "
+                             "'gpt2'") from None
 
 
 def build_tokenizer(
@@ -332,20 +398,17 @@ def _join(base: str, name: str) -> str:
 
 def load_tokenizer(path: str | os.PathLike):
     """The ``tokenizers.Tokenizer`` of a tokenizer directory (local or fsspec URL)."""
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_str(_read_bytes(_join(os.fspath(path), TOKENIZER_FILE)).decode("utf-8"))
+    file = _join(os.fspath(path), TOKENIZER_FILE)
+    return _parse_tokenizer(_read_bytes(file), file)
 
 
 def tokenizer_info(path: str | os.PathLike) -> TokenizerInfo:
     """Vocabulary size, EOS / BOS / PAD ids and what the tokenizer adds by itself."""
-    from tokenizers import Tokenizer
-
     base = os.fspath(path)
     data = _read_bytes(_join(base, TOKENIZER_FILE))
-    tok = Tokenizer.from_str(data.decode("utf-8"))
+    tok = _parse_tokenizer(data, _join(base, TOKENIZER_FILE))
     try:
-        conf = json.loads(_read_bytes(_join(base, CONFIG_FILE)))
+        conf = _json_object(_read_bytes(_join(base, CONFIG_FILE)), _join(base, CONFIG_FILE))
     except FileNotFoundError:
         conf = {}
     roles = {r: _token_str(conf.get(r)) for r in _ROLES}

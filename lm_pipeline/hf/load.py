@@ -205,8 +205,14 @@ def load_hf_checkpoint(
     cfg_path = os.path.join(local, CONFIG_NAME)
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{local} has no {CONFIG_NAME}")
-    with open(cfg_path, encoding="utf-8") as f:
-        hf = json.load(f)
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise HfWeightsError(f"'{cfg_path}' is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); fix it, "
+                             "or download the model again") from None
+    if not isinstance(hf, dict):
+        raise HfWeightsError(f"'{cfg_path}' holds a JSON {type(hf).__name__}, not an object: not a model config")
     if hf.get("auto_map"):
         raise UnsafeCheckpointError(
             f"{local}: config.json has an auto_map (custom modelling code, trust_remote_code); refusing to run it"

@@ -73,6 +73,11 @@ def read_hf_config_json(source: str) -> dict[str, Any]:
         except Exception as e:  # offline, unknown repo, gated
             raise ConfigError("initialize_from_hf", f"cannot read config.json of hub repo {source!r}: "
                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    from lm_pipeline.inputs import json_problem
+
+    problem = json_problem(path)
+    if problem:
+        raise ConfigError("initialize_from_hf", f"{problem}; fix it, or download the model again")
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 

@@ -136,7 +136,76 @@ class Pipeline:
             raise ConfigError(f"data.{where}", problem)
         for where, problem in self.url_access_problems():
             raise ConfigError(where, problem)
+        for where, problem in self.input_problems():
+            raise ConfigError(where, problem)
         self.cfg.trainer.check_devices(jax.device_count())
+
+    def input_problems(self) -> list[tuple[str, str]]:
+        """(config field, one-line problem) for each local input path the config names that cannot
+        be used: a tokenizer directory (``data.tokenizer``) or a starting Hugging Face model
+        (``initialize_from_hf``) that does not exist, is a file, or whose files are corrupt. Hub
+        ids are checked when they are read (a hub model when the run's address is computed); URLs
+        by :meth:`url_access_problems`."""
+        from lm_pipeline.inputs import hf_model_dir_problem, tokenizer_problem
+
+        out = []
+        tok = self.cfg.data.tokenizer
+        if tok.kind == "hf" and tok.name_or_path:
+            problem = tokenizer_problem(tok.name_or_path)
+            if problem:
+                out.append(("data.tokenizer", problem))
+        if self.cfg.initialize_from_hf:
+            problem = hf_model_dir_problem(self.cfg.initialize_from_hf, "initialize_from_hf")
+            if problem:
+                out.append(("initialize_from_hf", problem))
+        return out
+
+    def checkpoint_problems(self) -> list[tuple[str, str]]:
+        """(config field, one-line problem) for the checkpoints a training run would load:
+        ``trainer.load_checkpoint_path`` (unless ``trainer.load_checkpoint: false``) must hold a
+        complete checkpoint; a Hugging Face model directory as ``trainer.initialize_from`` must
+        have a valid config.json and weights. Checked before ``train_ckpt`` is built, or found
+        built: a finished run whose config names a resume path that holds nothing fails here
+        rather than look like a cache hit (the path is not part of the run's address)."""
+        from lm_pipeline import fs
+        from lm_pipeline.inputs import checkpoint_problem, hf_model_dir_problem
+
+        tc = self.cfg.trainer
+        out = []
+        if tc.load_checkpoint_path and tc.load_checkpoint is not False:
+            problem = checkpoint_problem(tc.load_checkpoint_path, "trainer.load_checkpoint_path")
+            if problem:
+                out.append(("trainer.load_checkpoint_path", problem))
+        start = fs.as_local(tc.initialize_from) if tc.initialize_from else None
+        if start and os.path.isfile(os.path.join(start, "config.json")) \
+                and not os.path.exists(os.path.join(start, "checkpoint.json")):  # a Hugging Face model directory
+            problem = hf_model_dir_problem(tc.initialize_from, "trainer.initialize_from")
+            if problem:
+                out.append(("trainer.initialize_from", problem))
+        return out
+
+    def training_text_problem(self) -> str | None:
+        """Why the training split holds no text (one line naming its shards: empty files, or every
+        record invalid and skipped), from the ``raw_shards`` manifest (built if needed); None when
+        it holds some."""
+        rows = (self.raw_shards().manifest.get("shards") or {}).get("train") or []
+        if not rows or any(int(r.get("valid") or 0) > 0 for r in rows):
+            return None
+        records = sum(int(r.get("records") or 0) for r in rows)
+        skipped: dict[str, int] = {}
+        for r in rows:
+            for reason, n in (r.get("skipped") or {}).items():
+                skipped[reason] = skipped.get(reason, 0) + int(n)
+        names = [str(r.get("url") or r.get("name")) for r in rows]
+        where = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        if records == 0:
+            what = f"{where} {'holds' if len(names) == 1 else 'hold'} no records"
+        else:
+            reasons = ", ".join(f"{k}×{v}" for k, v in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0])))
+            what = f"none of the {records} records of {where} is valid (skipped: {reasons})"
+        source = (self.cfg.data.train_sources() or ["train_urls"])[0]
+        return (f"no training text: {what}; point data.{source} at data with at least one record whose "
+                f"'{self.cfg.data.text_key}' is text")
 
     def url_locations(self) -> list[tuple[str, str]]:
         """(config field, URL or path) of every location this experiment reads or writes."""
@@ -329,8 +398,25 @@ class Pipeline:
         return StageResult(name, addr.fingerprint, art.path, False, manifest, time.perf_counter() - t0)
 
     def build(self, name: str, **options: Any) -> StageResult:
-        """Build stage ``name`` (its upstream first) with its build function's ``options``."""
-        return self.stage(name).build(self, **options)
+        """Build stage ``name`` (its upstream first) with its build function's ``options``.
+
+        What the stage needs of the user's inputs is checked first, also when it is built already:
+        ``train_ckpt``, the checkpoints it would load (:meth:`checkpoint_problems`, before any
+        other stage is built); ``train_ckpt``, ``token_cache`` and a trained tokenizer, some
+        training text (:meth:`training_text_problem`)."""
+        stage = self.stage(name)
+        if name == "train_ckpt":
+            for where, problem in self.checkpoint_problems():
+                raise ConfigError(where, problem)
+        if "raw_shards" in self.stages and (name in ("train_ckpt", "token_cache") or (
+                name == "tokenizer" and self.cfg.data.tokenizer.kind == "bpe")):
+            problem = self.training_text_problem()
+            if problem:
+                from lm_pipeline.data.validation import DataValidationError
+
+                source = (self.cfg.data.train_sources() or ["train_urls"])[0]
+                raise DataValidationError(f"data.{source}", "", "no_training_text", problem)
+        return stage.build(self, **options)
 
     # -- the stages by name (the build functions are in lm_pipeline.steps.builders) -------------------
 

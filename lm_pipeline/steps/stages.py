@@ -132,7 +132,12 @@ def _train_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
     if not source:
         return {}
     from lm_pipeline.hf.start import hf_weights_identity
+    from lm_pipeline.inputs import hub_model_problem
+    from lm_pipeline.schema import ConfigError
 
+    problem = hub_model_problem(source, "initialize_from_hf")  # offline and not cached: in seconds, one line
+    if problem:
+        raise ConfigError("initialize_from_hf", problem)
     return {"hf_weights": hf_weights_identity(source)}
 
 

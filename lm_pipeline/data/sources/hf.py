@@ -83,7 +83,37 @@ def load_hf(spec: HFSpec) -> Any:
                 )
             ds = ds[spec.split]
     else:
-        ds = datasets.load_dataset(
+        ds = _load_dataset(datasets, spec)
+    _HF_CACHE[key] = ds
+    return ds
+
+
+def _on_hub(datasets: Any, path: str) -> bool:
+    """Whether ``load_dataset(path)`` reads the hub: not a local directory or file, not a builder
+    that ships with ``datasets`` ('json', 'parquet', ...)."""
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    return not os.path.exists(local_path(path)) and path not in _PACKAGED_DATASETS_MODULES
+
+
+def _load_dataset(datasets: Any, spec: HFSpec) -> Any:
+    """``datasets.load_dataset`` for ``spec``, failing in one line that names ``data.hf_id``: a hub
+    dataset when the hub cannot be reached (checked once, in seconds: :mod:`lm_pipeline.hf.hub`)
+    comes from the local cache or not at all."""
+    from lm_pipeline.inputs import looks_like_path
+
+    hub_id = _on_hub(datasets, spec.path)
+    if hub_id and "://" not in spec.path and looks_like_path(spec.path):
+        raise ConfigError("data.hf_id", f"'{spec.path}' does not exist; data.hf_id takes a directory written by "
+                          "save_to_disk, a hub dataset id 'org/name', or a builder ('json', 'parquet', ...) with "
+                          "data.hf_data_files")
+    offline = None
+    if hub_id and "://" not in spec.path:
+        from lm_pipeline.hf import hub
+
+        offline = hub.unreachable()
+    try:
+        return datasets.load_dataset(
             spec.path,
             spec.name,
             split=spec.split,
@@ -91,8 +121,17 @@ def load_hf(spec: HFSpec) -> Any:
             data_files=list(spec.data_files) or None,
             streaming=spec.streaming,
         )
-    _HF_CACHE[key] = ds
-    return ds
+    except Exception as e:  # noqa: BLE001 - the hub client's and the builders' errors: one line each
+        if offline is None and not isinstance(e, (FileNotFoundError, ConnectionError, OSError, ValueError)):
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if offline is not None:
+            from lm_pipeline.hf import hub
+
+            raise ConfigError("data.hf_id", hub.offline_message(
+                "dataset", spec.path, offline, "save it with Dataset.save_to_disk where there is network and point "
+                "data.hf_id at that directory")) from None
+        raise ConfigError("data.hf_id", f"cannot load the dataset {spec.path!r} ({type(e).__name__}: {first})") from None
 
 
 def content_identity(spec: HFSpec, ds: Any) -> str:
