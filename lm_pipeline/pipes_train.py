@@ -1,15 +1,19 @@
-"""Training as its own process, launched by Dagster through Pipes: ``python -m lm_pipeline.pipes_train``.
+"""Training as a child of a Dagster step, reporting through Pipes: ``python -m lm_pipeline.pipes_train``.
 
-The orchestrating asset (``train_ckpt``) passes, as Pipes extras:
+:func:`run_child` is the child side of every training a step launches outside its own process
+(the parent side is ``assets.launch``): this module's ``main`` (its own process) and the Ray job's
+driver (:mod:`lm_pipeline.cluster.ray_train`) both call it with the function that trains. The
+parent passes, as Pipes extras:
 
 * ``config``: the run config as YAML (the experiment, with the resources' non-semantic overrides);
 * ``store_root``: the artifact store root;
 * ``expected_fingerprint``: the ``train_ckpt`` fingerprint the orchestrator computed (the process
   refuses to train anything else);
 * ``asset_key``: the training asset's key as a string (``<experiment>/train_ckpt`` or
-  ``shared/train_ckpt``; default ``train_ckpt``).
+  ``shared/train_ckpt``; default ``train_ckpt``);
+* ``poll_seconds``: how often the run directory is watched for new checkpoints.
 
-While training, the process reports back through Pipes:
+While training, the child reports back through Pipes:
 
 * every complete checkpoint as it lands (a custom message ``{"type": "checkpoint", "step", "path",
   "kind", "run_fingerprint"}``; the asset turns it into an observation of ``train_ckpt``);
@@ -22,18 +26,20 @@ rather than starting over. Being a separate process, it can get tcmalloc via ``L
 its own ``JAX_PLATFORMS``.
 
 Fault injection (tests) goes through :mod:`lm_pipeline.faultpoints`: the fault point
-``train_ckpt.after_step`` is passed after every training step, and waits for a complete checkpoint
-before it fires, so that a retry has one to resume from; e.g.
-``LM_PIPELINE_FAULTPOINT=train_ckpt.after_step:5`` with ``LM_PIPELINE_FAULTPOINT_ONCE=<file>``.
+``train_ckpt.after_step`` is passed after every training step (:func:`train_run`, wherever it
+runs), and waits for a complete checkpoint before it fires, so that a retry has one to resume
+from; e.g. ``LM_PIPELINE_FAULTPOINT=train_ckpt.after_step:5`` with ``LM_PIPELINE_FAULTPOINT_ONCE=<file>``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from lm_pipeline.faultpoints import armed, faultpoint
@@ -103,14 +109,43 @@ def fault_hooks(run_dir: str) -> list:
     return [Hook(fn, every=1)]
 
 
-def _metadata(res) -> dict[str, Any]:
+def metrics_message(info) -> dict[str, Any] | None:
+    """The Pipes message of a training step's metrics (``{"type": "metrics", "step", "metrics"}``;
+    numbers only), or None when the step has none."""
+    metrics = {k: float(v) for k, v in (info.metrics or {}).items() if isinstance(v, (int, float))}
+    return {"type": "metrics", "step": int(info.step), "metrics": metrics} if metrics else None
+
+
+def metrics_line(message: Mapping[str, Any]) -> str:
+    """A metrics message as one log line: ``step N: train/loss=..., eval/...``."""
+    shown = ", ".join(f"{k}={v:.4g}" for k, v in message["metrics"].items() if k.startswith(("train/", "eval/")))
+    return f"step {message['step']}: {shown}"
+
+
+def train_run(pipe, on_metrics: Callable[[dict[str, Any]], None] | None = None):
+    """Train ``pipe``'s run (resuming from its latest checkpoint): ``on_metrics`` gets each metrics
+    message (:func:`metrics_message`, every ``trainer.log_every`` steps); the fault hooks of
+    :func:`fault_hooks` are passed. Returns the ``train_ckpt`` stage result."""
+    from lm_pipeline.train.trainer import Hook
+
+    hooks = []
+    if on_metrics is not None:
+        def report(info) -> None:
+            message = metrics_message(info)
+            if message is not None:
+                on_metrics(message)
+
+        hooks.append(Hook(report, every=pipe.cfg.trainer.log_every))
+    return pipe.train_ckpt(hooks=[*hooks, *fault_hooks(pipe.run_dir())])
+
+
+def stage_metadata(res) -> dict[str, Any]:
     """Pipes metadata (plain values) of a finished train_ckpt stage."""
     summary = res.manifest.get("summary", {})
     md: dict[str, Any] = {
         "path": {"raw_value": res.path, "type": "path"},
         "fingerprint": res.fingerprint,
         "cache_hit": res.hit,
-        "seconds": round(res.seconds, 3),
     }
     for k, v in summary.items():
         if isinstance(v, bool) or v is None:
@@ -121,11 +156,47 @@ def _metadata(res) -> dict[str, Any]:
         if summary.get(k):
             md[k] = {"raw_value": summary[k], "type": "path"}
     md["num_checkpoints"] = len(res.manifest.get("checkpoints") or [])
-    md["reported_by"] = f"pipes process {os.getpid()}"
     return md
 
 
-def main() -> int:
+@dataclass
+class ChildRun:
+    """The run a Pipes child trains: its pipeline (from the extras), and reports to the parent."""
+
+    pipes: Any  # dagster_pipes.PipesContext
+    pipe: Any  # lm_pipeline.steps.Pipeline
+    fingerprint: str
+    poll_seconds: float
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def extras(self) -> Mapping[str, Any]:
+        return self.pipes.extras
+
+    def report(self, message: Mapping[str, Any], line: str | None = None) -> None:
+        """Send ``message`` to the parent (and log ``line``); safe from any thread."""
+        with self._lock:  # the checkpoint watcher's thread and the training both report
+            self.pipes.report_custom_message(dict(message))
+            if line:
+                self.pipes.log.info(line)
+
+    def report_checkpoint(self, c: Mapping[str, Any]) -> None:
+        self.report({"type": "checkpoint", "run_fingerprint": self.fingerprint, **c},
+                    f"checkpoint step {c['step']} ({c['kind']}) complete: {c['path']}")
+
+    def report_metrics(self, message: Mapping[str, Any]) -> None:
+        self.report(message, metrics_line(message))
+
+
+def run_child(train: Callable[[ChildRun], tuple[str, dict[str, Any]]], *,
+              errors: tuple[type[BaseException], ...] = (), name: str = __name__) -> int:
+    """The child side of a training launched through Dagster Pipes (the parent: ``assets.launch``).
+
+    Reads the run from the Pipes extras (refusing a run whose fingerprint differs from the
+    parent's), reports each complete checkpoint of the run as it lands, calls ``train`` (which
+    returns the data version and the metadata of the run) and reports the materialization of the
+    training asset. ``errors``: exceptions that end the child with status 1 and one line on stderr,
+    ``<name>: <message>`` (the parent shows it), rather than a traceback. Returns the exit status."""
     import yaml
     from dagster_pipes import open_dagster_pipes
 
@@ -133,7 +204,6 @@ def main() -> int:
     from lm_pipeline.schema import from_dict
     from lm_pipeline.steps import Pipeline
     from lm_pipeline.store import ArtifactStore
-    from lm_pipeline.train.trainer import Hook
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with open_dagster_pipes() as pipes:
@@ -145,29 +215,30 @@ def main() -> int:
         if expected and fp != expected:
             raise RuntimeError(f"train_ckpt fingerprint {fp} differs from the orchestrator's {expected}; "
                                "the data or the code changed under the run")
-        run_dir = pipe.run_dir()
-        pipes.log.info(f"train_ckpt {fp}: run dir {run_dir} (pid {os.getpid()}, "
+        run = ChildRun(pipes, pipe, fp, float(extras.get("poll_seconds", 1.0)))
+        pipes.log.info(f"train_ckpt {fp}: run dir {pipe.run_dir()} (pid {os.getpid()}, "
                        f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}, JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r})")
-
-        def on_checkpoint(c: dict[str, Any]) -> None:
-            pipes.report_custom_message({"type": "checkpoint", "run_fingerprint": fp, **c})
-            pipes.log.info(f"checkpoint step {c['step']} ({c['kind']}) complete: {c['path']}")
-
-        def on_metrics(info) -> None:
-            metrics = {k: float(v) for k, v in (info.metrics or {}).items() if isinstance(v, (int, float))}
-            if metrics:
-                pipes.report_custom_message({"type": "metrics", "step": info.step, "metrics": metrics})
-                shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith(("train/", "eval/")))
-                pipes.log.info(f"step {info.step}: {shown}")
-
-        watcher = CheckpointWatcher(run_dir, on_checkpoint).start(float(extras.get("poll_seconds", 1.0)))
-        hooks = [Hook(on_metrics, every=cfg.trainer.log_every), *fault_hooks(run_dir)]
+        watcher = CheckpointWatcher(pipe.run_dir(), run.report_checkpoint).start(run.poll_seconds)
         try:
-            res = pipe.train_ckpt(hooks=hooks)
+            data_version, metadata = train(run)
+        except errors as e:
+            pipes.log.error(str(e))
+            print(f"{name}: {e}", file=sys.stderr, flush=True)
+            return 1
         finally:
             watcher.stop()
-        pipes.report_asset_materialization(asset_key=extras.get("asset_key") or "train_ckpt", metadata=_metadata(res), data_version=res.fingerprint)
+        pipes.report_asset_materialization(asset_key=extras.get("asset_key") or "train_ckpt", metadata=metadata,
+                                           data_version=data_version)
     return 0
+
+
+def _train_here(run: ChildRun) -> tuple[str, dict[str, Any]]:
+    res = train_run(run.pipe, run.report_metrics)
+    return res.fingerprint, {**stage_metadata(res), "reported_by": f"pipes process {os.getpid()}"}
+
+
+def main() -> int:
+    return run_child(_train_here)
 
 
 if __name__ == "__main__":

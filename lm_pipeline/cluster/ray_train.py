@@ -11,12 +11,13 @@ Two layers, neither needing Dagster:
   fails, the others are killed and :class:`TrainProcessFailed` names it: the run resumes from
   its latest complete checkpoint when started again.
 * :func:`main` (``python -m lm_pipeline.cluster.ray_train``): the entrypoint of the Ray *job*
-  that the Dagster training resource submits in ``ray`` mode. It is a Dagster Pipes process:
-  it reads the run config, store root, expected fingerprint and the Ray layout from the Pipes
-  extras, relays process 0's metrics and every complete checkpoint (watched in the store) as
-  Pipes messages on its stdout -- the job's log, which ``dagster-ray``'s
-  ``PipesRayJobMessageReader`` tails -- and reports the materialization at the end. The
-  processes' own log lines reach the job log too (Ray forwards them to the driver).
+  that the Dagster training resource submits in ``ray`` mode. It is a Dagster Pipes child
+  (:func:`lm_pipeline.pipes_train.run_child`, as the Pipes process is): it reads the run config,
+  store root, expected fingerprint and the Ray layout from the Pipes extras, relays process 0's
+  metrics and every complete checkpoint (watched in the store) as Pipes messages on its stdout
+  -- the job's log, which ``dagster-ray``'s ``PipesRayJobMessageReader`` tails -- and reports the
+  materialization at the end. The processes' own log lines reach the job log too (Ray forwards
+  them to the driver).
 
 Ray is imported lazily (:func:`lm_pipeline.cluster.require_ray`).
 """
@@ -28,13 +29,15 @@ import logging
 import os
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lm_pipeline.cluster import ClusterError, require_ray
+
+if TYPE_CHECKING:
+    from lm_pipeline.pipes_train import ChildRun
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +128,10 @@ class TrainProcess:
         import yaml
 
         from lm_pipeline.config import RunConfig, apply_overrides
-        from lm_pipeline.pipes_train import _metadata, fault_hooks
+        from lm_pipeline.pipes_train import stage_metadata, train_run
         from lm_pipeline.schema import from_dict
         from lm_pipeline.steps import Pipeline
         from lm_pipeline.store import ArtifactStore
-        from lm_pipeline.train.trainer import Hook
 
         pid, n = self.process_id, self.num_processes
         raw = apply_overrides(yaml.safe_load(config_yaml), [
@@ -142,18 +144,9 @@ class TrainProcess:
         if expected_fingerprint and fp != expected_fingerprint:
             raise RuntimeError(f"train_ckpt fingerprint {fp} differs from the orchestrator's {expected_fingerprint}; "
                                "the data or the code changed under the run")
-        hooks = []
-        if pid == 0:
-            def on_metrics(info) -> None:
-                metrics = {k: float(v) for k, v in (info.metrics or {}).items() if isinstance(v, (int, float))}
-                if metrics:
-                    self._messages.append({"type": "metrics", "step": int(info.step), "metrics": metrics})
-
-            hooks.append(Hook(on_metrics, every=cfg.trainer.log_every))
-        hooks += fault_hooks(pipe.run_dir())
         log.info("train_ckpt %s: process %d of %d (pid %d), coordinator %s", fp, pid, n, os.getpid(), coordinator)
-        res = pipe.train_ckpt(hooks=hooks)
-        return {"process_id": pid, "fingerprint": res.fingerprint, "metadata": _metadata(res) if pid == 0 else None}
+        res = train_run(pipe, self._messages.append if pid == 0 else None)  # process 0's metrics are relayed
+        return {"process_id": pid, "fingerprint": res.fingerprint, "metadata": stage_metadata(res) if pid == 0 else None}
 
 
 def run_on_ray(config_yaml: str, store_root: str, spec: RayTrainSpec, *, expected_fingerprint: str | None = None,
@@ -233,70 +226,39 @@ def run_on_ray(config_yaml: str, store_root: str, spec: RayTrainSpec, *, expecte
         remove_placement_group(pg)
 
 
-def main() -> int:
-    """The Ray job's entrypoint: a Dagster Pipes process driving :func:`run_on_ray`."""
-    import yaml
-    from dagster_pipes import open_dagster_pipes
+def _train_on_cluster(run: ChildRun) -> tuple[str, dict[str, Any]]:
+    """The Ray job's training (a :func:`lm_pipeline.pipes_train.run_child` ``train``): :func:`run_on_ray`
+    on the job's cluster, process 0's metrics and the processes' placement relayed through Pipes."""
+    spec = RayTrainSpec.from_dict(run.extras["ray"])
 
-    from lm_pipeline.config import RunConfig
-    from lm_pipeline.pipes_train import CheckpointWatcher
-    from lm_pipeline.schema import from_dict
-    from lm_pipeline.steps import Pipeline
-    from lm_pipeline.store import ArtifactStore
+    def on_event(m: dict[str, Any]) -> None:
+        if m.get("type") == "metrics":
+            run.report_metrics(m)
+        elif m.get("type") == "processes":
+            where = "; ".join(f"process {p['process_id']}: pid {p['pid']} on {p['ip']} (node {p['node_id'][:8]})"
+                              for p in m["processes"])
+            run.report(m, f"train_ckpt {run.fingerprint}: {len(m['processes'])} processes: {where}")
+        else:
+            run.report(m)
+
+    ray = require_ray()
+    ray.init(log_to_driver=True)  # inside a Ray job: the job's cluster
+    result = run_on_ray(run.extras["config"], run.extras["store_root"], spec, expected_fingerprint=run.fingerprint,
+                        on_event=on_event, poll_seconds=run.poll_seconds)
+    md = dict(result["metadata"] or {})
+    md["num_processes"] = spec.num_processes
+    md["ray_processes"] = {"raw_value": result["processes"], "type": "json"}
+    md["reported_by"] = f"ray job driver {os.getpid()} ({spec.num_processes} processes)"
+    return result["fingerprint"], md
+
+
+def main() -> int:
+    """The Ray job's entrypoint: a Dagster Pipes child driving :func:`run_on_ray`."""
+    from lm_pipeline.pipes_train import run_child
 
     # Pipes messages are lines on stdout, interleaved with the processes' forwarded logs: whole lines.
     sys.stdout.reconfigure(line_buffering=True)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    with open_dagster_pipes() as pipes:
-        extras = pipes.extras
-        spec = RayTrainSpec.from_dict(extras["ray"])
-        cfg = from_dict(RunConfig, yaml.safe_load(extras["config"]))
-        pipe = Pipeline(cfg, ArtifactStore(extras["store_root"]), progress=False)
-        fp = pipe.address("train_ckpt").fingerprint
-        expected = extras.get("expected_fingerprint")
-        if expected and fp != expected:
-            raise RuntimeError(f"train_ckpt fingerprint {fp} differs from the orchestrator's {expected}")
-        run_dir = pipe.run_dir()
-        poll = float(extras.get("poll_seconds", 1.0))
-        lock = threading.Lock()  # the watcher's thread and the driver loop both write messages
-
-        def on_checkpoint(c: dict[str, Any]) -> None:
-            with lock:
-                pipes.report_custom_message({"type": "checkpoint", "run_fingerprint": fp, **c})
-                pipes.log.info(f"checkpoint step {c['step']} ({c['kind']}) complete: {c['path']}")
-
-        def on_event(m: dict[str, Any]) -> None:
-            with lock:
-                pipes.report_custom_message(m)
-                if m.get("type") == "metrics":
-                    shown = ", ".join(f"{k}={v:.4g}" for k, v in m["metrics"].items() if k.startswith(("train/", "eval/")))
-                    pipes.log.info(f"step {m['step']}: {shown}")
-                elif m.get("type") == "processes":
-                    where = "; ".join(f"process {p['process_id']}: pid {p['pid']} on {p['ip']} (node {p['node_id'][:8]})"
-                                      for p in m["processes"])
-                    pipes.log.info(f"train_ckpt {fp}: {len(m['processes'])} processes: {where}")
-
-        ray = require_ray()
-        ray.init(log_to_driver=True)  # inside a Ray job: the job's cluster
-        t0 = time.perf_counter()
-        watcher = CheckpointWatcher(run_dir, on_checkpoint).start(poll)
-        try:
-            result = run_on_ray(extras["config"], extras["store_root"], spec, expected_fingerprint=fp,
-                                on_event=on_event, poll_seconds=poll)
-        except (TrainProcessFailed, ClusterError) as e:
-            watcher.stop()
-            pipes.log.error(str(e))
-            print(f"lm_pipeline.cluster.ray_train: {e}", file=sys.stderr, flush=True)
-            return 1
-        watcher.stop()
-        md = dict(result["metadata"] or {})
-        md["seconds"] = round(time.perf_counter() - t0, 3)
-        md["num_processes"] = spec.num_processes
-        md["ray_processes"] = {"raw_value": result["processes"], "type": "json"}
-        md["reported_by"] = f"ray job driver {os.getpid()} ({spec.num_processes} processes)"
-        pipes.report_asset_materialization(asset_key=extras.get("asset_key") or "train_ckpt", metadata=md,
-                                           data_version=result["fingerprint"])
-    return 0
+    return run_child(_train_on_cluster, errors=(TrainProcessFailed, ClusterError), name=ENTRYPOINT_MODULE)
 
 
 if __name__ == "__main__":
