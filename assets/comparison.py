@@ -4,16 +4,21 @@ Per experiment: its model, parameters, training tokens and wall time, and its fi
 (loss, bits per byte) beside the unigram baseline of the same validation data. The table is
 written as ``comparison.json`` and ``comparison.png`` under ``<store>/comparison/<fingerprint>/``
 (the fingerprint hashes the evaluation reports it was made from, so an unchanged set of reports
-is a cache hit) and shown on the asset's page.
+is a cache hit) and shown on the page of the asset ``experiments/comparison`` (:func:`comparison_asset`).
 """
-
-from __future__ import annotations
 
 import hashlib
 import io
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import dagster as dg
+
+from assets.dead_runs import tend
+from assets.deployment import COMPARISON_GROUP, COMPARISON_KEY, Deployment
+from assets.metadata import png_markdown
+from resources import ArtifactStoreResource
 
 COLUMNS = ("experiment", "model", "params", "step", "train_tokens", "train_seconds", "eval_loss", "bpb",
            "unigram_bpb", "bpb_vs_unigram", "eval_report", "train_ckpt")
@@ -110,3 +115,33 @@ def write_comparison(store, rows: Sequence[Mapping[str, Any]]) -> tuple[str, str
         atomic.atomic_write_bytes(atomic.join(art.path, "comparison.png"), plot_png(rows))
         store.commit(art, {"summary": {"experiments": [r["experiment"] for r in rows]}})
     return fp, art.path, False
+
+
+def comparison_asset(dep: Deployment):
+    """``experiments/comparison``: every experiment's final evaluation side by side."""
+    evals = sorted({dep.key(n, "eval_report") for n in dep.experiments}, key=lambda k: k.to_user_string())
+
+    @dg.asset(key=COMPARISON_KEY, deps=evals, group_name=COMPARISON_GROUP, kinds={"pandas"},
+              description="Every experiment's final evaluation side by side (loss, bits per byte vs the unigram "
+                          "baseline, parameters, training tokens and wall time): a table and a plot. Refreshed by "
+                          "comparison_sensor when an evaluation lands.")
+    def comparison(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
+        tend(context)
+        artifacts = store.store()  # the deployment's one store (build_definitions checks it)
+        rows = [experiment_row(name, exp.fresh_pipeline(artifacts)) for name, exp in dep.experiments.items()]
+        fp, path, hit = write_comparison(artifacts, rows)
+        context.log.info(f"comparison {fp}: {'cache hit' if hit else 'written'} at {path}")
+        table = dg.MetadataValue.table(
+            [dg.TableRecord({c: r[c] for c in COLUMNS}) for r in rows],
+            schema=dg.TableSchema(columns=[dg.TableColumn(c, "string" if c in ("experiment", "model", "eval_report",
+                                                                              "train_ckpt") else "float")
+                                           for c in COLUMNS]))
+        meta = {"path": dg.MetadataValue.path(path), "fingerprint": dg.MetadataValue.text(fp),
+                "cache_hit": dg.MetadataValue.bool(hit), "experiments": dg.MetadataValue.int(len(rows)),
+                "evaluated": dg.MetadataValue.int(sum(r["bpb"] is not None for r in rows)),
+                "comparison": table, "comparison_md": dg.MetadataValue.md(markdown_table(rows))}
+        if any(r["bpb"] is not None for r in rows):
+            meta["plot"] = png_markdown("bits per byte by experiment", f"{path}/comparison.png")
+        return dg.MaterializeResult(metadata=meta, data_version=dg.DataVersion(fp))
+
+    return comparison

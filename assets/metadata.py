@@ -3,11 +3,13 @@
 Every materialization carries ``path``, ``fingerprint``, ``cache_hit`` and ``seconds``, plus the
 stage's counts and sizes; training adds its plots (loss, learning rate, eval bpb, throughput: PNGs
 embedded as markdown images and saved under ``<run_dir>/plots/``) and final metrics; evaluation adds its report as a table.
+:func:`result` makes the materialization (its data version is the artifact's fingerprint).
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -112,7 +114,7 @@ def token_cache(res) -> dict[str, Any]:
     return md
 
 
-def _png_md(title: str, png: bytes | str) -> dg.MetadataValue:
+def png_markdown(title: str, png: bytes | str) -> dg.MetadataValue:
     """A PNG (its bytes, or its path on any store) as a markdown image."""
     if isinstance(png, str):
         from lm_pipeline import fs
@@ -146,7 +148,7 @@ def training_plots(run_dir: str) -> dict[str, Any]:
         png = fs.join(plots, name)
         data = fs.read_bytes(png)
         if data is not None:
-            md[key] = _png_md(title, data)
+            md[key] = png_markdown(title, data)
             md[f"{key}_path"] = dg.MetadataValue.path(png)
     return md
 
@@ -244,3 +246,25 @@ def checkpoint_observation(c: Mapping[str, Any], *, run_fingerprint: str, partit
         "run_fingerprint": dg.MetadataValue.text(run_fingerprint),
         "checkpoint_key": dg.MetadataValue.text(partition_key),
     }
+
+
+#: What each stage's materialization shows in the UI, by stage.
+METADATA = {"raw_shards": raw_shards, "tokenizer": tokenizer, "token_cache": token_cache,
+            "train_ckpt": train_ckpt, "eval_report": eval_report, "hf_export": hf_export}
+
+
+def result(res, metadata: Mapping[str, Any]) -> dg.MaterializeResult:
+    """The materialization of a stage result: ``metadata``, and the fingerprint as data version."""
+    return dg.MaterializeResult(metadata=dict(metadata), data_version=dg.DataVersion(res.fingerprint))
+
+
+def summary_line(res) -> str:
+    """One log line: the stage result was a cache hit, or built in how long, and where."""
+    if res.hit:
+        return f"{res.stage} {res.fingerprint}: cache hit, no work ({res.path})"
+    return f"{res.stage} {res.fingerprint}: built in {res.seconds:.1f}s at {res.path}"
+
+
+def plain_json(value: Any) -> Any:
+    """``value`` as plain JSON types (what a JSON metadata value holds); anything else as its string."""
+    return json.loads(json.dumps(value, default=str))

@@ -1,0 +1,111 @@
+"""Training checkpoints as partitions: ``<experiment>/checkpoint_eval`` evaluates one at a time.
+
+Each experiment has a dynamic partitions definition ``checkpoints_<experiment>`` whose keys name a
+checkpoint of a run: ``<train fingerprint>-step<N>`` (:func:`checkpoint_key`). The training asset
+reports each complete checkpoint as an observation as it lands (:mod:`assets.launch`); the
+``new_checkpoint_sensor`` (:mod:`assets.automation`) adds its key and requests its evaluation, which
+finds the checkpoint's directory (:func:`find_checkpoint`) and evaluates it with the experiment's
+evaluation settings.
+"""
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+
+import dagster as dg
+
+from assets import metadata as md
+from assets.dead_runs import tend
+from assets.deployment import Deployment
+from assets.names import CHECKPOINT_TAG, EVALUATION_POOL
+from resources import ArtifactStoreResource
+
+_KEY_RE = re.compile(r"^(?P<fp>[0-9A-Za-z_.\-]+)-step(?P<step>\d+)$")
+
+
+def checkpoints_partitions(experiment: str) -> dg.DynamicPartitionsDefinition:
+    """The checkpoints of ``experiment`` (keys ``<train fingerprint>-step<N>``)."""
+    return dg.DynamicPartitionsDefinition(name=f"checkpoints_{experiment}")
+
+
+def checkpoint_key(run_fingerprint: str, step: int) -> str:
+    """The ``checkpoints`` partition key of a run's checkpoint: ``<train fingerprint>-step<N>``."""
+    return f"{run_fingerprint}-step{int(step):07d}"
+
+
+def parse_checkpoint_key(key: str) -> tuple[str, int]:
+    """(train fingerprint, step) of a checkpoints partition key."""
+    m = _KEY_RE.match(key)
+    if not m:
+        raise ValueError(f"not a checkpoint partition key: {key!r} (expected <fingerprint>-step<N>)")
+    return m.group("fp"), int(m.group("step"))
+
+
+def checkpoint_observation(asset: dg.AssetKey, c: Mapping, run_fingerprint: str) -> dg.AssetObservation:
+    """The observation of the training ``asset`` for one complete checkpoint ``c`` (step, path, kind)."""
+    key = checkpoint_key(run_fingerprint, int(c["step"]))
+    return dg.AssetObservation(asset_key=asset, metadata=md.checkpoint_observation(
+        c, run_fingerprint=run_fingerprint, partition_key=key))
+
+
+def find_checkpoint(instance: dg.DagsterInstance, key: str, store: ArtifactStoreResource,
+                    tags: Mapping[str, str] | None = None, asset: dg.AssetKey | str = "train_ckpt") -> str:
+    """The checkpoint directory of a checkpoints partition key: the run's tag, else the
+    observation of the training ``asset`` that reported it, else the run's default place in the store."""
+    from lm_pipeline.train.checkpoint import latest_checkpoint
+
+    candidates = []
+    if tags and tags.get(CHECKPOINT_TAG):
+        candidates.append(tags[CHECKPOINT_TAG])
+    records = instance.fetch_observations(dg.AssetKey.from_coercible(asset), limit=1000).records
+    for rec in records:
+        obs = rec.asset_observation
+        meta = obs.metadata if obs is not None else {}
+        if meta.get("checkpoint_key") is not None and meta["checkpoint_key"].value == key:
+            candidates.append(str(meta["checkpoint_path"].value))
+            break
+    fp, step = parse_checkpoint_key(key)
+    candidates.append(f"{store.root}/train_ckpt/{fp}/step-{step}")
+    for path in candidates:
+        if latest_checkpoint(path) is not None:  # candidates are step dirs: complete or not
+            return path
+    raise dg.Failure(f"checkpoint {key}: no complete checkpoint found (looked at {candidates}); "
+                     "a temporary checkpoint may have been pruned")
+
+
+def _checkpoint_pipeline(checkpoint: str, store: ArtifactStoreResource, *, eval_config=None):
+    """A pipeline for the run a checkpoint belongs to (its saved config, this store)."""
+    from lm_pipeline.config import load_config
+    from lm_pipeline.steps import Pipeline
+
+    cfg = load_config(os.path.join(checkpoint, "config.yaml"))
+    cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, root=store.root))  # not semantic
+    return Pipeline(cfg, store.store(), progress=False, eval_config=eval_config)
+
+
+def checkpoint_eval_asset(dep: Deployment, name: str):
+    """``<experiment>/checkpoint_eval``: the experiment's evaluation of one checkpoint partition."""
+    exp = dep.experiments[name]
+    base = exp.pipeline()
+    train_key = dep.key(name, "train_ckpt")
+
+    @dg.asset(key=dep.checkpoint_eval_key(name), deps=[train_key], partitions_def=checkpoints_partitions(name),
+              group_name=name, code_version=base.own_version("eval_report"), kinds={base.stage("eval_report").kind},
+              pool=EVALUATION_POOL,
+              description=f"The evaluation report ({name}'s eval settings) of one checkpoint of {train_key.to_user_string()} "
+                          "(partition <run>-step<N>), requested by new_checkpoint_sensor as checkpoints land.")
+    def checkpoint_eval(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
+        tend(context)
+        key = context.partition_key
+        path = find_checkpoint(context.instance, key, store, tags=context.run.tags, asset=train_key)
+        pipe = _checkpoint_pipeline(path, store, eval_config=base.eval_config)
+        res = pipe.eval_report(checkpoint=path)
+        context.log.info(md.summary_line(res))
+        meta = md.METADATA["eval_report"](res)
+        meta["run_fingerprint"] = dg.MetadataValue.text(parse_checkpoint_key(key)[0])
+        meta["experiment"] = dg.MetadataValue.text(name)
+        meta["eval_config"] = dg.MetadataValue.json(md.plain_json(pipe.stage_config("eval_report")))
+        return md.result(res, meta)
+
+    return checkpoint_eval

@@ -1,0 +1,88 @@
+"""What Dagster records about an asset's inputs is what the asset read.
+
+Before a stage builds, :func:`verify_inputs` makes the record true: the data source's current
+version is recorded as an observation when Dagster's latest one differs (the data changed since it
+was last observed), and the latest materialization of each upstream asset must be the artifact the
+stage reads, else the step fails in one line naming what to materialize first. After it builds,
+:func:`provenance` and :func:`lineage_metadata` say what the artifact is: its experiments, semantic config,
+input fingerprints and its chain back to the shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import dagster as dg
+
+from assets.deployment import Deployment, Node
+from assets.metadata import plain_json
+from assets.names import experiment_job_name
+
+
+def source_version(pipe) -> tuple[str, dict[str, Any]]:
+    """The data version of an experiment's source data: a hash of every shard's fingerprint (file
+    shards: their bytes; Hugging Face datasets: their own fingerprint or pinned revision), and the
+    per-shard fingerprints it covers. Reads the data as it is now."""
+    shards = dict(sorted(pipe.address("raw_shards").inputs.items()))
+    return hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()[:16], shards
+
+
+def _latest_version(instance: dg.DagsterInstance, key: dg.AssetKey) -> str | None:
+    """The data version Dagster holds for ``key`` now (its latest materialization or observation)."""
+    rec = instance.get_latest_data_version_record(key)
+    if rec is None:
+        return None
+    event = rec.asset_materialization or rec.asset_observation
+    return (event.tags or {}).get("dagster/data_version") if event is not None else None
+
+
+def verify_inputs(context, dep: Deployment, node: Node, pipe, *, record: bool = True) -> dict[str, str]:
+    """Make what Dagster records about this asset's inputs true before it builds (see the module
+    docstring); an upstream artifact complete in the store but not recorded by Dagster (built
+    from the command line, or before a reverted edit) fails too: materializing it is then a cache
+    hit. ``record``: observe the data source. Returns the input fingerprints used, by upstream stage."""
+    instance = context.instance
+    src = dep.source_key(node.owner.name)
+    version, shards = source_version(pipe)
+    if record and _latest_version(instance, src) != version:
+        context.log_event(dg.AssetObservation(asset_key=src, tags={"dagster/data_version": version},
+                                              metadata={"shards": len(shards), "observed_by": "stage " + node.stage}))
+    used: dict[str, str] = {}
+    for up in pipe.stage(node.stage).upstream:
+        key = dep.key(node.owner.name, up)
+        want = pipe.address(up).fingerprint
+        used[up] = want
+        if _latest_version(instance, key) == want:
+            continue
+        what, me = key.to_user_string(), node.key.to_user_string()
+        state = ("complete in the store (a cache hit) but not recorded by Dagster" if pipe.cached(up) is not None
+                 else "not built")
+        raise dg.Failure(f"{me} reads {up} {want}, which is {state}: materialize {what} first (e.g. --select "
+                         f"'*{me}' for it and everything upstream, or the '{experiment_job_name(node.owner.name)}' "
+                         "job)", allow_retries=False)
+    return used
+
+
+def provenance(node: Node, pipe, used: Mapping[str, str]) -> dict[str, Any]:
+    """The metadata that says what this artifact is: experiments, config, inputs."""
+    return {
+        "experiments": dg.MetadataValue.text(", ".join(node.names)),
+        "experiment_files": dg.MetadataValue.json({e.name: e.describe() for e in node.experiments}),
+        "semantic_config": dg.MetadataValue.json(plain_json(pipe.stage_config(node.stage))),
+        "input_fingerprints": dg.MetadataValue.json({**used, "data_sources": source_version(pipe)[0]}),
+    }
+
+
+def lineage_metadata(store, res) -> dict[str, Any]:
+    """The artifact's chain back to its shards (``lm-pipeline lineage``), shown on the asset's page."""
+    from lm_pipeline.steps.lineage import format_lineage, lineage
+
+    try:
+        steps = lineage(store, res.stage, res.fingerprint)
+    except Exception as e:  # never fail a built artifact over its description
+        return {"lineage": dg.MetadataValue.text(f"unavailable: {e}")}
+    return {"lineage": dg.MetadataValue.md("```\n" + format_lineage(steps) + "\n```"),
+            "lineage_command": dg.MetadataValue.text(f"lm-pipeline lineage {res.path}")}
