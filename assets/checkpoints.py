@@ -53,7 +53,8 @@ def find_checkpoint(instance: dg.DagsterInstance, key: str, store: ArtifactStore
                     tags: Mapping[str, str] | None = None, asset: dg.AssetKey | str = "train_ckpt") -> str:
     """The checkpoint directory of a checkpoints partition key: the run's tag, else the
     observation of the training ``asset`` that reported it, else the run's default place in the store."""
-    from lm_pipeline.train.checkpoint import latest_checkpoint
+    from lm_pipeline import fs
+    from lm_pipeline.train.checkpoint import latest_checkpoint, step_dir_name
 
     candidates = []
     if tags and tags.get(CHECKPOINT_TAG):
@@ -66,7 +67,7 @@ def find_checkpoint(instance: dg.DagsterInstance, key: str, store: ArtifactStore
             candidates.append(str(meta["checkpoint_path"].value))
             break
     fp, step = parse_checkpoint_key(key)
-    candidates.append(f"{store.root}/train_ckpt/{fp}/step-{step}")
+    candidates.append(fs.join(store.store().artifact("train_ckpt", fp).path, step_dir_name(step)))
     for path in candidates:
         if latest_checkpoint(path) is not None:  # candidates are step dirs: complete or not
             return path

@@ -16,6 +16,7 @@ from dagster._core.loader import LoadingContextForTest
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import pipeline_testing as pt  # noqa: E402
 
+from assets.checkpoints import find_checkpoint  # noqa: E402
 from assets.deployment import Deployment  # noqa: E402
 from assets.experiment import load_experiment  # noqa: E402
 from assets.pipeline import (  # noqa: E402
@@ -196,6 +197,9 @@ def test_checkpoint_eval_partition_evaluates_one_checkpoint(tmp_path):
     assert m.partition == keys[0]
     assert m.metadata["step"].value == 3 and m.metadata["checkpoint"].value == req.tags[CHECKPOINT_TAG]
     assert m.metadata["cache_hit"].value is False and m.metadata["loss"].value > 0
+    # with neither the run's tag nor an observation, a key still finds its checkpoint in the run's directory
+    store = default_resources(exp)["store"]
+    assert find_checkpoint(dg.DagsterInstance.ephemeral(), keys[0], store) == f"{tmp_path}/store/train_ckpt/{fp}/step-3"
     # the final checkpoint's evaluation is the same artifact as eval_report's
     last = dg.materialize(build_assets(Deployment([exp])), selection=[K("checkpoint_eval")], partition_key=keys[1],
                           resources=default_resources(exp), instance=h.instance)
