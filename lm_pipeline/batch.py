@@ -250,16 +250,20 @@ class StepBatchSource:
 
     def rows_needed(self, step: int) -> int | None:
         """Rows step ``step`` needs to exist, or None when it needs them all (the total)."""
-        end = (step + 1) * self.batch_size
+        return self._rows_needed_below((step + 1) * self.batch_size)
+
+    def _rows_needed_below(self, end: int) -> int | None:
+        """Rows the positions below ``end`` need to exist, or None when they need them all."""
         if self.shuffle == "era":
             return -(-end // self.era_length) * self.era_length
         return None
 
-    def _total(self, step: int) -> int | None:
-        """The number of rows, or None while the data is incomplete but holds what ``step`` needs."""
+    def _total(self, end: int) -> int | None:
+        """The number of rows, or None while the data is incomplete but holds what the positions
+        below ``end`` need."""
         if self._rows_ready is None:
             return len(self.dataset)
-        need = self.rows_needed(step)
+        need = self._rows_needed_below(end)
         total = self._rows_ready(sys.maxsize if need is None else need)
         if total == 0:
             raise ValueError("the dataset has no rows (is seq_len longer than the data?)")
@@ -291,8 +295,18 @@ class StepBatchSource:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         start = step * self.batch_size
-        flat = np.arange(start, start + self.batch_size, dtype=np.int64)
-        n = self._total(step)
+        return self.rows_at(np.arange(start, start + self.batch_size, dtype=np.int64))
+
+    def rows_at(self, positions: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Dataset row ids at ``positions`` of the run's row order, any non-negative positions in
+        any order: position ``p`` is the row global batch ``p // batch_size`` holds at
+        ``p % batch_size`` (so ``global_indices(k)`` is ``rows_at(range(k * B, (k + 1) * B))``)."""
+        flat = np.asarray(positions, dtype=np.int64)
+        if flat.size == 0:
+            return flat.copy()
+        if flat.min() < 0:
+            raise ValueError(f"positions must be >= 0, got {int(flat.min())}")
+        n = self._total(int(flat.max()) + 1)
         if n is None:  # era order on a growing dataset: all positions lie in full, committed eras
             return self._era_rows(flat, None)
         epochs, offsets = np.divmod(flat, n)
