@@ -277,7 +277,11 @@ def _spellings_to_drop(raw: dict[str, Any], parts: list[str]) -> list[tuple[dict
         out.append((raw, parts[1]))
     cls: Any = RunConfig
     node: Any = raw
+    entry_of: Any = None  # a mapping of sections (data.configs): the next part names an entry
     for i, part in enumerate(parts):
+        if entry_of is not None:
+            cls, node, entry_of = entry_of, node.get(part) if isinstance(node, dict) else None, None
+            continue
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)) or not isinstance(node, dict):
             break
         flds = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -298,6 +302,8 @@ def _spellings_to_drop(raw: dict[str, Any], parts: list[str]) -> list[tuple[dict
             family = tp.family()
             kind = nxt.get("type", family.default_type) if isinstance(nxt, dict) else family.default_type
             tp = family.registry.get(kind) if isinstance(kind, str) else None
+        if typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+            entry_of = typing.get_args(tp)[1]
         cls, node = tp, nxt
     return out
 

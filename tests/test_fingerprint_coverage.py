@@ -102,6 +102,10 @@ STAGE_OF: dict[str, str | None] = {
     **_each("hf_export", "export.", "max_shard_size dtype"),
     # no artifact: worker counts, recomputation, cadence, layout, paths, resumption, trackers
     **_each(None, "data.", "cache_dir num_workers shard_group_size"),
+    # a mixture: the pipeline does not train one yet (it refuses a data section without a training
+    # source of its own), so no artifact depends on these; they become semantic when it does
+    # (configs: raw_shards; train_weights, stop_strategy, mixture_block_size: train_ckpt)
+    **_each(None, "data.", "configs train_weights stop_strategy mixture_block_size"),
     "model[gpt2].gradient_checkpointing": None,
     "model[llama].gradient_checkpointing": None,
     **_each(None, "trainer.", "per_device_parallelism gradient_accumulation_steps device_memory_gib per_device_eval_parallelism "
@@ -148,6 +152,8 @@ BASE: dict[str, Any] = {
 }
 
 _NO_FILES = {"data.train_urls": [], "data.validation_urls": []}
+_MIXTURE = {"data.train_urls": [], "data.configs": {"web": {"train_urls": ["train-0.jsonl", "train-1.jsonl"]}},
+            "data.train_weights": {"web": 1.0}}
 _HF = {**_NO_FILES, "data.hf_id": "some-org/some-dataset"}
 
 #: Changes the generic rule (bool flip, int + 1, float * 2, another choice, ...) cannot make:
@@ -164,6 +170,11 @@ SPECIAL: dict[str, tuple[dict[str, Any], Any]] = {
     "data.tokenizer.kind": ({"data.tokenizer.name_or_path": "some-org/some-tokenizer"}, "hf"),
     "trainer.num_epochs": ({"trainer.num_train_steps": None}, 2.0),
     "data.era_length": ({"data.shuffle": "era"}, 1024),
+    "data.configs": (_MIXTURE, {**_MIXTURE["data.configs"], "extra": {"validation_urls": ["extra.jsonl"]}}),
+    "data.train_weights": ({**_MIXTURE, "data.configs": {**_MIXTURE["data.configs"], "code": {"train_urls": ["extra.jsonl"]}}},
+                           {"web": 0.5, "code": 0.5}),
+    "data.stop_strategy": (_MIXTURE, "first_exhausted"),
+    "data.mixture_block_size": (_MIXTURE, 1024),
     "trainer.train_tokens": ({"trainer.num_train_steps": None}, 4096),
     "trainer.mp": ({}, "p=f32,c=bfloat16"),
     "initialize_from_hf": ({}, "hf-start"),

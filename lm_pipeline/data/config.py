@@ -8,11 +8,18 @@ held-out part) plus any named sets in ``validation: {name: [urls]}``.
 
 Levanter spellings are accepted: ``id`` / ``name`` / ``stream`` for the Hugging Face fields, and
 ``tokenizer: gpt2`` (a string) for ``tokenizer: {kind: hf, name_or_path: gpt2}``.
+
+A mixture (Levanter's ``LMMixtureDatasetConfig``) names its components under ``configs``, each
+with the source fields of :class:`SourceConfig`, and mixes them by ``train_weights`` (a mapping,
+or phases ``[[step, mapping], ...]``); see :mod:`lm_pipeline.data.mixture`. The section's own
+training source fields stay empty then. Every problem of a section is reported at once
+(:class:`ConfigProblems`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,6 +29,35 @@ from lm_pipeline.schema import ConfigError, field
 DEFAULT_VALIDATION_SET = "validation"
 
 _SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+#: How a mixture ends (Levanter's names): never (a component that runs out starts again in a new
+#: order), when its first component runs out, or when its last one does (the others restarting).
+STOP_STRATEGIES = ("restart", "first_exhausted", "all_exhausted")
+
+#: Largest ``mixture_block_size``: a block's order is held in memory (8 bytes a row).
+MAX_MIXTURE_BLOCK_SIZE = 1 << 20
+
+
+class ConfigProblems(ConfigError):
+    """Several problems of one config, reported together: ``problems`` holds one
+    :class:`ConfigError` per problem, each naming its field; ``path`` is the first one's."""
+
+    def __init__(self, problems: Sequence[ConfigError]):
+        self.problems = tuple(problems)
+        self.path = self.problems[0].path
+        self.message = "; ".join(f"'{p.path}': {p.message}" for p in self.problems)
+        ValueError.__init__(self, f"{len(self.problems)} problems: " + "; ".join(str(p) for p in self.problems))
+
+    def prefixed(self, prefix: str) -> ConfigProblems:
+        return ConfigProblems([p.prefixed(prefix) for p in self.problems])
+
+
+def raise_problems(problems: Sequence[ConfigError]) -> None:
+    """Raise the one problem as it is, several as one :class:`ConfigProblems`; nothing if none."""
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ConfigProblems(problems)
 
 
 @dataclass(frozen=True)
@@ -53,8 +89,9 @@ class TokenizerConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    """Where text comes from and how it becomes packed token sequences."""
+class SourceConfig:
+    """One source of text (the data section's own, or a mixture component's): files, a Hugging
+    Face dataset or a built-in corpus, and how its records are read and validated."""
 
     # --- files read through fsspec ---------------------------------------------------------
     train_urls: tuple[str, ...] = field((), help="Training shards: paths or fsspec URLs; brace expansion `{1..32}`, globs and directories allowed.")
@@ -80,38 +117,14 @@ class DataConfig:
     # --- validation policy -----------------------------------------------------------------
     min_length: int = field(1, help="Records whose text has fewer characters than this (after stripping whitespace) are invalid.")
     on_invalid: Literal["fail", "skip"] = field("fail", help="Validation policy: stop at the first invalid record, or skip it and count it per reason.")
-    # --- downstream ------------------------------------------------------------------------
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig, help="The tokenizer to train or load.")
-    packing: Literal["concat", "greedy", "first_fit"] = field("concat", help="How documents become seq_len rows: concatenate-and-chunk, or whole documents packed greedily / first-fit with segment ids. LLM-Trainer's `pack_sequences: true` means greedy (with `packing_strategy` choosing greedy or first_fit).", aliases=("packing_strategy",))
-    shuffle: Literal["epoch", "era"] = field("epoch", help="Training row order. 'epoch': a seeded permutation of all rows, new every epoch (needs the complete token cache). 'era': Levanter's era shuffling: the first epoch is shuffled within consecutive eras of era_length rows, so step k needs only the cache's first eras and training can start while the cache is still being built (`lm-pipeline train` then builds it in the background, packing: concat); later epochs are shuffled whole.")
-    era_length: int = field(4096, help="shuffle: era: rows per era (the first epoch's shuffling window; the last era holds the rows left over). Step k needs the first ceil((k + 1) * train_batch_size / era_length) eras.")
-    cache_dir: str | None = field(None, help="Where token caches are written and read: <cache_dir>/<fingerprint>/ (a local folder or an fsspec URL) instead of <store.root>/token_cache/<fingerprint>/. The store keeps a pointer, so lineage and staleness work the same; several experiments may share one cache_dir.", semantic=False)
-    num_workers: int = field(0, help="Tokenizer worker processes; 0 means all cores.", semantic=False, aliases=("preprocessing_num_workers",))
-    shard_group_size: int = field(8, help="Shards per cache-building group (the unit of resumption and fan-out).", semantic=False)
+    cache_dir: str | None = field(None, help="Where token caches are written and read: <cache_dir>/<fingerprint>/ (a local folder or an fsspec URL) instead of <store.root>/token_cache/<fingerprint>/. The store keeps a pointer, so lineage and staleness work the same; several experiments may share one cache_dir. A mixture component's own cache_dir holds that component's caches.", semantic=False)
 
     @classmethod
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """Levanter shorthand: ``tokenizer: gpt2`` means a Hugging Face tokenizer by name/path;
-        ``train_urls:``/``validation_urls:`` left empty (null) mean none; LLM-Trainer's
-        ``pack_sequences: true`` means whole documents packed (``packing: greedy`` unless
-        ``packing``/``packing_strategy`` says otherwise)."""
+        """``train_urls:``/``validation_urls:`` left empty (null) mean none."""
         for key in ("train_urls", "validation_urls"):
             if key in data and data[key] is None:
                 del data[key]
-        if "pack_sequences" in data:
-            pack = data.pop("pack_sequences")
-            if pack is True:
-                if "packing" not in data and "packing_strategy" not in data:
-                    data["packing"] = "greedy"
-            elif pack is False:
-                raise ConfigError("pack_sequences", "false (one padded document per row) is not supported: every "
-                                  "row is full here; use packing: greedy or first_fit (whole documents, segment ids "
-                                  "keep them apart) or concat (concatenate and chunk)")
-            else:
-                raise ConfigError("pack_sequences", f"expected true or false, got {pack!r}")
-        tok = data.get("tokenizer")
-        if isinstance(tok, str):
-            data["tokenizer"] = {"kind": "hf", "name_or_path": tok}
         return data
 
     def url_problems(self) -> list[tuple[str, str]]:
@@ -131,42 +144,162 @@ class DataConfig:
         """Names of the fields that provide training data (at most one may be set)."""
         return [n for n, on in (("train_urls", bool(self.train_urls)), ("hf_id", self.hf_id is not None), ("builtin", self.builtin is not None)) if on]
 
-    def validate(self) -> None:
+    def source_problems(self) -> list[ConfigError]:
+        """Every problem of the source fields, each naming its field (relative to this section)."""
+        out: list[ConfigError] = []
         if self.cache_dir is not None and not self.cache_dir.strip():
-            raise ConfigError("cache_dir", "must not be empty (null = <store.root>/token_cache)")
+            out.append(ConfigError("cache_dir", "must not be empty (null = <store.root>/token_cache)"))
         if self.min_length < 0:
-            raise ConfigError("min_length", "must be >= 0")
-        if self.num_workers < 0:
-            raise ConfigError("num_workers", "must be >= 0 (0 = all cores)")
-        if self.shard_group_size < 1:
-            raise ConfigError("shard_group_size", "must be >= 1")
-        if self.era_length < 1:
-            raise ConfigError("era_length", "must be >= 1")
+            out.append(ConfigError("min_length", "must be >= 0"))
         if not self.text_key:
-            raise ConfigError("text_key", "must not be empty")
+            out.append(ConfigError("text_key", "must not be empty"))
         sources = self.train_sources()
         if len(sources) > 1:
-            raise ConfigError(sources[1], f"only one training source may be set, but {' and '.join(sources)} are; remove all but one")
+            out.append(ConfigError(sources[1], f"only one training source may be set, but {' and '.join(sources)} are; remove all but one"))
         default_val = [n for n, on in (("validation_urls", bool(self.validation_urls)), ("hf_validation_split", self.hf_validation_split is not None), ("builtin", self.builtin is not None)) if on]
         if len(default_val) > 1:
-            raise ConfigError(default_val[0], f"the '{DEFAULT_VALIDATION_SET}' set can come from only one of {', '.join(default_val)}; "
-                              "put the others under `validation: {name: [urls]}`")
+            out.append(ConfigError(default_val[0], f"the '{DEFAULT_VALIDATION_SET}' set can come from only one of {', '.join(default_val)}; "
+                                   "put the others under `validation: {name: [urls]}`"))
         for name, urls in self.validation.items():
             if not _SET_NAME.match(name):
-                raise ConfigError(f"validation.{name}", "set names must start with a letter or digit and use only letters, digits, '_', '.', '-'")
-            if name == "train":
-                raise ConfigError("validation.train", "'train' is reserved for the training split; pick another name")
-            if name == DEFAULT_VALIDATION_SET and default_val:
-                raise ConfigError(f"validation.{name}", f"'{name}' is already given by {default_val[0]}; pick another name")
-            if not urls:
-                raise ConfigError(f"validation.{name}", "needs at least one url")
+                out.append(ConfigError(f"validation.{name}", "set names must start with a letter or digit and use only letters, digits, '_', '.', '-'"))
+            elif name == "train":
+                out.append(ConfigError("validation.train", "'train' is reserved for the training split; pick another name"))
+            elif name == DEFAULT_VALIDATION_SET and default_val:
+                out.append(ConfigError(f"validation.{name}", f"'{name}' is already given by {default_val[0]}; pick another name"))
+            elif not urls:
+                out.append(ConfigError(f"validation.{name}", "needs at least one url"))
         if self.hf_validation_split is not None and self.hf_id is None:
-            raise ConfigError("hf_validation_split", "needs hf_id")
+            out.append(ConfigError("hf_validation_split", "needs hf_id"))
         if self.hf_data_files and self.hf_id is None:
-            raise ConfigError("hf_data_files", "needs hf_id (a builder such as 'json' or 'parquet')")
+            out.append(ConfigError("hf_data_files", "needs hf_id (a builder such as 'json' or 'parquet')"))
         if self.hf_shard_rows < 1:
-            raise ConfigError("hf_shard_rows", "must be >= 1")
+            out.append(ConfigError("hf_shard_rows", "must be >= 1"))
         if self.builtin_max_bytes < 10_000:
-            raise ConfigError("builtin_max_bytes", "must be >= 10000")
+            out.append(ConfigError("builtin_max_bytes", "must be >= 10000"))
         if not 0.0 < self.builtin_validation_fraction <= 0.5:
-            raise ConfigError("builtin_validation_fraction", "must be in (0, 0.5]")
+            out.append(ConfigError("builtin_validation_fraction", "must be in (0, 0.5]"))
+        return out
+
+
+#: Keys of the data section that all components of a mixture share (refused inside one).
+_SHARED_KEYS = ("tokenizer", "packing", "packing_strategy", "pack_sequences", "shuffle", "era_length", "num_workers",
+                "preprocessing_num_workers", "shard_group_size", "configs", "train_weights", "stop_strategy",
+                "mixture_block_size")
+
+
+@dataclass(frozen=True)
+class DataConfig(SourceConfig):
+    """Where text comes from and how it becomes packed token sequences."""
+
+    # --- downstream ------------------------------------------------------------------------
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig, help="The tokenizer to train or load.")
+    packing: Literal["concat", "greedy", "first_fit"] = field("concat", help="How documents become seq_len rows: concatenate-and-chunk, or whole documents packed greedily / first-fit with segment ids. LLM-Trainer's `pack_sequences: true` means greedy (with `packing_strategy` choosing greedy or first_fit).", aliases=("packing_strategy",))
+    shuffle: Literal["epoch", "era"] = field("epoch", help="Training row order. 'epoch': a seeded permutation of all rows, new every epoch (needs the complete token cache). 'era': Levanter's era shuffling: the first epoch is shuffled within consecutive eras of era_length rows, so step k needs only the cache's first eras and training can start while the cache is still being built (`lm-pipeline train` then builds it in the background, packing: concat); later epochs are shuffled whole.")
+    era_length: int = field(4096, help="shuffle: era: rows per era (the first epoch's shuffling window; the last era holds the rows left over). Step k needs the first ceil((k + 1) * train_batch_size / era_length) eras.")
+    num_workers: int = field(0, help="Tokenizer worker processes; 0 means all cores.", semantic=False, aliases=("preprocessing_num_workers",))
+    shard_group_size: int = field(8, help="Shards per cache-building group (the unit of resumption and fan-out).", semantic=False)
+    # --- a mixture of sources (Levanter's LMMixtureDatasetConfig) ----------------------------
+    # Not in any fingerprint yet: the pipeline does not train a mixture yet (a section without a
+    # training source of its own is refused before any work), so no artifact depends on them.
+    configs: dict[str, SourceConfig] = field(default_factory=dict, help="A mixture's components: name -> a source with this section's source fields (train_urls, validation_urls, validation, format, text_key, id/hf_id, name, ..., builtin, min_length, on_invalid, cache_dir). Training draws from them by train_weights; the section's own training source stays empty. The pipeline does not train a mixture yet: see own-data.md#data-mixtures.", semantic=False)
+    train_weights: dict[str, float] | tuple[tuple[int | dict[str, float], ...], ...] = field(default_factory=dict, help="A mixture's weights: {component: weight} for the whole run, or phases [[step, {component: weight}], ...] starting at step 0, each from its step on. Weights are relative (normalized per phase); a component left out has weight 0.", semantic=False)
+    stop_strategy: Literal["restart", "first_exhausted", "all_exhausted"] = field("restart", help="When a mixture ends: never ('restart': a component that runs out starts again in a new order), when its first component runs out, or when its last one does (the others restarting meanwhile).", semantic=False)
+    mixture_block_size: int = field(2048, help="A mixture's block: every block of this many rows holds each component's share of rows exactly (rounded down, the rows left over to the largest share), in a seeded order.", semantic=False)
+
+    @classmethod
+    def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Levanter shorthand: ``tokenizer: gpt2`` means a Hugging Face tokenizer by name/path;
+        ``train_urls:``/``validation_urls:`` left empty (null) mean none; LLM-Trainer's
+        ``pack_sequences: true`` means whole documents packed (``packing: greedy`` unless
+        ``packing``/``packing_strategy`` says otherwise). A mixture component that sets a key all
+        components share, and ``train_weights`` of neither accepted shape, are refused here (every
+        such problem at once)."""
+        data = super().normalize_raw(data)
+        if "pack_sequences" in data:
+            pack = data.pop("pack_sequences")
+            if pack is True:
+                if "packing" not in data and "packing_strategy" not in data:
+                    data["packing"] = "greedy"
+            elif pack is False:
+                raise ConfigError("pack_sequences", "false (one padded document per row) is not supported: every "
+                                  "row is full here; use packing: greedy or first_fit (whole documents, segment ids "
+                                  "keep them apart) or concat (concatenate and chunk)")
+            else:
+                raise ConfigError("pack_sequences", f"expected true or false, got {pack!r}")
+        tok = data.get("tokenizer")
+        if isinstance(tok, str):
+            data["tokenizer"] = {"kind": "hf", "name_or_path": tok}
+        problems = []
+        configs = data.get("configs")
+        for name, comp in (configs.items() if isinstance(configs, dict) else ()):
+            for key in comp if isinstance(comp, dict) else ():
+                if key in _SHARED_KEYS:
+                    problems.append(ConfigError(f"configs.{name}.{key}", "a mixture's components share it: set it once "
+                                                f"for all of them (data.{key}), not in a component"))
+        if data.get("train_weights") is not None:
+            from lm_pipeline.data.mixture import weight_phases
+
+            problems += [ConfigError(path, message) for path, message in weight_phases(data["train_weights"])[1]]
+        raise_problems(problems)
+        return data
+
+    def url_problems(self) -> list[tuple[str, str]]:
+        """(field, problem) for each shard URL this machine cannot open (:func:`lm_pipeline.fs.url_problem`),
+        a mixture's components included."""
+        out = super().url_problems()
+        for name, comp in self.configs.items():
+            out += [(f"configs.{name}.{where}", problem) for where, problem in comp.url_problems()]
+        return out
+
+    def validate(self) -> None:
+        problems = self.source_problems()
+        if self.num_workers < 0:
+            problems.append(ConfigError("num_workers", "must be >= 0 (0 = all cores)"))
+        if self.shard_group_size < 1:
+            problems.append(ConfigError("shard_group_size", "must be >= 1"))
+        if self.era_length < 1:
+            problems.append(ConfigError("era_length", "must be >= 1"))
+        raise_problems(problems + self.mixture_problems())
+
+    def mixture_problems(self) -> list[ConfigError]:
+        """Every problem of the mixture fields (``configs``, ``train_weights``, ``stop_strategy``,
+        ``mixture_block_size``) and of each component, each naming its field."""
+        if not self.configs:
+            out = []
+            if self.train_weights:
+                out.append(ConfigError("train_weights", "weighs the components of a mixture, but configs names none: "
+                                       "a mixture is configs: {name: {train_urls: [...]}, ...} with train_weights: "
+                                       "{name: weight, ...}"))
+            for name, default in (("stop_strategy", "restart"), ("mixture_block_size", 2048)):
+                if getattr(self, name) != default:
+                    out.append(ConfigError(name, "applies to a mixture only (configs: {name: {...}, ...}); remove it"))
+            return out
+        from lm_pipeline.data.mixture import schedule_problems, weight_phases
+
+        out = [ConfigError(src, "a mixture takes its training data from its components: move it into one "
+                           "(configs: {name: {train_urls: [...]}})") for src in self.train_sources()]
+        phases, _ = weight_phases(self.train_weights)
+        drawn = {name for _, weights in phases for name, w in weights.items() if w > 0}
+        for name, comp in self.configs.items():
+            where = f"configs.{name}"
+            if not _SET_NAME.match(name):
+                out.append(ConfigError(where, "component names must start with a letter or digit and use only "
+                                       "letters, digits, '_', '.', '-'"))
+            out += [p.prefixed(where) for p in comp.source_problems()]
+            has_validation = bool(comp.validation_urls or comp.validation or comp.hf_validation_split)
+            if name in drawn and not comp.train_sources():
+                out.append(ConfigError(where, "has a weight in train_weights but no training data: give train_urls, "
+                                       "id (hf_id) or builtin"))
+            elif not comp.train_sources() and not has_validation:
+                out.append(ConfigError(where, "has no data: give train_urls, validation_urls, id (hf_id) or builtin"))
+        if not 1 <= self.mixture_block_size <= MAX_MIXTURE_BLOCK_SIZE:
+            out.append(ConfigError("mixture_block_size", f"must be between 1 and {MAX_MIXTURE_BLOCK_SIZE}, "
+                                   f"got {self.mixture_block_size}"))
+        if not self.train_weights:
+            out.append(ConfigError("train_weights", "a mixture needs weights: {component: weight, ...}, or phases "
+                                   "[[0, {component: weight, ...}], [step, {...}], ...]"))
+        else:
+            out += [ConfigError(path, message) for path, message in
+                    schedule_problems(self.train_weights, list(self.configs), self.mixture_block_size)]
+        return out
