@@ -9,14 +9,18 @@ everything else through fsspec. Writes that readers must never see half-done are
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import hashlib
+import json
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
-from typing import IO
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from typing import IO, Literal, overload
 
 import fsspec
 
@@ -25,28 +29,39 @@ PathLike = str | os.PathLike
 __all__ = [
     "AppendFile",
     "PathLike",
+    "access_problem",
+    "access_problems",
     "as_local",
     "basename",
-    "access_problem",
     "connect_problem",
     "copy_tree",
     "download_tree",
     "exclusive_lock",
     "exists",
+    "file_sizes",
+    "forget_copy",
     "get_fs",
     "is_local",
-    "kvstore_spec",
+    "is_local_dir",
     "join",
+    "kvstore_spec",
     "listdir",
+    "local_copy",
     "local_path",
     "makedirs",
+    "move",
     "norm",
     "open_binary",
+    "parent",
     "put",
     "read_bytes",
     "read_text",
     "remove",
+    "resolve",
     "rmtree",
+    "scheme",
+    "sha256_of",
+    "staged",
     "upload_tree",
 ]
 
@@ -73,6 +88,21 @@ def as_local(path: PathLike) -> str | None:
     return local_path(path) if is_local(path) else None
 
 
+def is_local_dir(path: PathLike) -> bool:
+    """Whether ``path`` is an existing directory on this machine (a local path or ``file://`` URL,
+    ``~`` expanded); False for other URLs, which are not looked up (a hub id is never one)."""
+    local = as_local(path)
+    return local is not None and os.path.isdir(local)
+
+
+def scheme(path: PathLike) -> str:
+    """The URL scheme of ``path``: ``""`` for a plain path, ``"file"`` for a ``file://`` URL, else
+    its filesystem's protocol (``"s3"``, ``"gs"``, ``"memory"``, ...; the last one of a chained URL
+    such as ``simplecache::s3://...``)."""
+    text = os.fspath(path)
+    return text.split("://", 1)[0].split("::")[-1] if "://" in text else ""
+
+
 def norm(path: PathLike) -> str:
     """A canonical spelling: the absolute path of a local path, a URL without trailing ``/``."""
     return local_path(path) if is_local(path) else os.fspath(path).rstrip("/")
@@ -90,14 +120,14 @@ def url_problem(url: PathLike) -> str | None:
     text = os.fspath(url)
     if is_local(text):
         return None
-    scheme = text.split("://", 1)[0].split("::")[-1]
+    protocol = scheme(text)
     try:
-        fsspec.get_filesystem_class(scheme)
+        fsspec.get_filesystem_class(protocol)
     except ImportError:
-        package = _FS_PACKAGES.get(scheme, f"the fsspec implementation of {scheme}://")
-        return f"{text}: reading {scheme}:// needs the {package} package, which is not installed (pip install {package})"
+        package = _FS_PACKAGES.get(protocol, f"the fsspec implementation of {protocol}://")
+        return f"{text}: reading {protocol}:// needs the {package} package, which is not installed (pip install {package})"
     except ValueError:
-        return (f"{text}: unknown URL scheme {scheme!r}; use a local path or a URL fsspec knows "
+        return (f"{text}: unknown URL scheme {protocol!r}; use a local path or a URL fsspec knows "
                 "(s3://, gs://, az://, https://, memory://, ...)")
     return None
 
@@ -115,8 +145,8 @@ def access_problem(url: PathLike) -> str | None:
         return problem
     text = os.fspath(url)
     bucket = _bucket_of(text)
-    scheme = text.split("://", 1)[0]
-    endpoint = _endpoint(scheme)
+    protocol = text.split("://", 1)[0]
+    endpoint = _endpoint(protocol)
     if endpoint is not None:  # one quick connection first: offline, the clients retry for a minute
         why = connect_problem(endpoint)
         if why is not None:
@@ -131,15 +161,36 @@ def access_problem(url: PathLike) -> str | None:
     except PermissionError as e:
         first = (str(e).splitlines() or [""])[0][:200]
         return (f"{text}: access to bucket {bucket!r} refused ({first}); check the credentials the standard "
-                f"{_CHAIN.get(scheme, 'credential chain')} finds")
+                f"{_CHAIN.get(protocol, 'credential chain')} finds")
     except Exception as e:  # noqa: BLE001 - botocore's NoCredentialsError, google.auth's DefaultCredentialsError, ...
         first = (str(e).splitlines() or [type(e).__name__])[0][:200]
         kind = type(e).__name__
         if "credential" in kind.lower() or "credential" in first.lower():
             return (f"{text}: no usable credentials ({kind}: {first}); provide them through the standard "
-                    f"{_CHAIN.get(scheme, 'credential chain')}")
+                    f"{_CHAIN.get(protocol, 'credential chain')}")
         return f"{text}: cannot be listed ({kind}: {first})"
     return None
+
+
+def access_problems(urls: Iterable[PathLike]) -> dict[str, str]:
+    """``url -> problem`` (as :func:`access_problem` words it, naming that URL) for each of ``urls``
+    that cannot be used; the others are left out. Each bucket is listed once, however many of the
+    URLs lie in it; local paths are never checked."""
+    buckets: dict[str, str | None] = {}
+    out: dict[str, str] = {}
+    for url in urls:
+        text = os.fspath(url)
+        if is_local(text) or text in out:
+            continue
+        problem = url_problem(text)
+        if problem is None:
+            bucket = f"{text.split('://', 1)[0]}://{_bucket_of(text)}"
+            if bucket not in buckets:
+                buckets[bucket] = access_problem(bucket)
+            problem = buckets[bucket] and buckets[bucket].replace(bucket, text, 1)
+        if problem:
+            out[text] = problem
+    return out
 
 
 #: Loggers of the object-store clients: their retries log whole tracebacks.
@@ -163,16 +214,16 @@ def _quiet(*names: str) -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _endpoint(scheme: str) -> str | None:
-    """The endpoint the client of ``scheme`` talks to (from the standard variables), or None when not
+def _endpoint(protocol: str) -> str | None:
+    """The endpoint the client of ``protocol`` talks to (from the standard variables), or None when not
     known here. Computed without creating the client: a GCS client looks for credentials first,
     which takes a quarter of a minute offline."""
-    if scheme in ("gs", "gcs"):
+    if protocol in ("gs", "gcs"):
         emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
         if emulator and emulator != "default":
             return emulator if emulator.startswith(("http://", "https://")) else f"http://{emulator}"
         return "https://storage.googleapis.com"
-    if scheme in ("s3", "s3a"):
+    if protocol in ("s3", "s3a"):
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         return s3_endpoint() or (f"https://s3.{region}.amazonaws.com" if region else "https://s3.amazonaws.com")
     return None
@@ -254,8 +305,8 @@ def kvstore_spec(url: PathLike) -> dict | str:
     text = os.fspath(url)
     if is_local(text):
         return {"driver": "file", "path": local_path(text).rstrip("/") + "/"}
-    scheme, rest = text.split("://", 1)
-    if scheme in ("s3", "s3a"):
+    protocol, rest = text.split("://", 1)
+    if protocol in ("s3", "s3a"):
         bucket, _, path = rest.partition("/")
         spec: dict = {"driver": "s3", "bucket": bucket, "path": path.strip("/") + "/" if path.strip("/") else ""}
         endpoint = s3_endpoint()
@@ -265,7 +316,7 @@ def kvstore_spec(url: PathLike) -> dict | str:
         if region:
             spec["aws_region"] = region
         return spec
-    if scheme == "gcs":
+    if protocol == "gcs":
         text = "gs://" + rest
     return text.rstrip("/") + "/"
 
@@ -329,6 +380,23 @@ def basename(path: PathLike) -> str:
     return os.path.basename(text) if is_local(text) else text.rstrip("/").rsplit("/", 1)[-1]
 
 
+def parent(path: PathLike) -> str:
+    """The directory holding ``path``: the absolute parent of a local path, a URL without its last
+    component (a trailing ``/`` ignored). The top (``/``, ``s3://bucket``) is its own parent."""
+    text = os.fspath(path)
+    if is_local(text):
+        return os.path.dirname(local_path(text))
+    protocol, rest = text.rstrip("/").split("://", 1)
+    return f"{protocol}://{rest.rsplit('/', 1)[0]}" if "/" in rest else f"{protocol}://{rest}"
+
+
+def resolve(base_dir: PathLike, ref: str) -> str:
+    """``ref`` read from the directory ``base_dir`` (a local path or URL), as a reference in a file
+    is: a URL stays what it is, anything else is joined to ``base_dir`` (:func:`join`: an absolute
+    path stays absolute under a local ``base_dir``)."""
+    return ref if scheme(ref) else join(base_dir, ref)
+
+
 def _fresh(store: fsspec.AbstractFileSystem, inner: str) -> None:
     """Forget what fsspec's listing cache holds about ``inner`` (and its parents): another process
     may have written it since, and s3fs answers reads of a path in a cached listing from the cache
@@ -345,8 +413,13 @@ def exists(path: PathLike) -> bool:
     return fs.exists(inner)
 
 
-def read_bytes(path: PathLike) -> bytes | None:
-    """The content of a file, or None if it does not exist (or is a directory)."""
+@overload
+def read_bytes(path: PathLike, *, missing_ok: Literal[True] = ...) -> bytes | None: ...
+@overload
+def read_bytes(path: PathLike, *, missing_ok: Literal[False]) -> bytes: ...
+def read_bytes(path: PathLike, *, missing_ok: bool = True) -> bytes | None:
+    """The content of a file, or None if it does not exist (or is a directory); with
+    ``missing_ok=False`` a missing file raises FileNotFoundError naming it instead."""
     try:
         if is_local(path):
             with open(local_path(path), "rb") as f:
@@ -355,7 +428,18 @@ def read_bytes(path: PathLike) -> bytes | None:
         _fresh(fs, inner)
         return fs.cat_file(inner)
     except _MISSING:
+        if not missing_ok:
+            raise FileNotFoundError(errno.ENOENT, "no such file", os.fspath(path)) from None
         return None
+
+
+def sha256_of(path: PathLike) -> str:
+    """The hex sha256 of the bytes of the file ``path`` (local or URL), read in 1 MiB blocks."""
+    sha = hashlib.sha256()
+    with open_binary(path) as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    return sha.hexdigest()
 
 
 def open_binary(path: PathLike) -> IO[bytes]:
@@ -390,6 +474,33 @@ def listdir(path: PathLike) -> list[tuple[str, bool]]:
         name = e["name"].rstrip("/").rsplit("/", 1)[-1]
         if name and e["name"].rstrip("/") != inner.rstrip("/"):
             out.append((name, e.get("type") == "directory"))
+    return out
+
+
+def file_sizes(path: PathLike) -> dict[str, int]:
+    """``relative name -> size in bytes`` of every file under the directory ``path``, the names
+    ``/``-separated and sorted; empty if it does not exist. Object stores: one listing."""
+    if is_local(path):
+        root = local_path(path)
+        found = {}
+        for parent_dir, _, names in os.walk(root):
+            for name in names:
+                full = os.path.join(parent_dir, name)
+                with contextlib.suppress(FileNotFoundError):  # deleted while listed
+                    found[os.path.relpath(full, root).replace(os.sep, "/")] = os.path.getsize(full)
+        return dict(sorted(found.items()))
+    store, inner = get_fs(path)
+    inner = inner.rstrip("/")
+    _fresh(store, inner)
+    try:
+        entries = store.find(inner, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    out = {}
+    for name, info in sorted(entries.items()):
+        rel = name[len(inner):].lstrip("/")
+        if rel and info.get("type", "file") != "directory":
+            out[rel] = int(info.get("size") or 0)
     return out
 
 
@@ -442,6 +553,24 @@ def copy_tree(src: PathLike, dst: PathLike, *, exclude: tuple[str, ...] = ()) ->
             fs.copy(f"{src_inner}/{name}", f"{dst_inner}/{name}", recursive=is_dir)
 
 
+def move(src: PathLike, dst: PathLike, *, first: tuple[str, ...] = ()) -> None:
+    """Move the directory ``src`` to ``dst`` (not existing yet) within one filesystem.
+
+    Local: one rename (``dst``'s parent made if missing), so ``src`` is never seen half moved.
+    Object stores have no renames: the objects are copied, then deleted from ``src``, the
+    relative names in ``first`` before the rest (a completion marker: a partly deleted ``src``
+    never looks complete)."""
+    if is_local(src) and is_local(dst):
+        target = local_path(dst)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(local_path(src), target)
+        return
+    copy_tree(src, dst)
+    for name in first:
+        remove(join(src, name))
+    rmtree(src)
+
+
 def _link_tree(src: str, dst: str, exclude: tuple[str, ...]) -> None:
     os.makedirs(dst, exist_ok=True)
     for root, dirs, files in os.walk(src):
@@ -478,6 +607,98 @@ def put(source: PathLike, target: PathLike) -> None:
     fs.put_file(source, inner)
 
 
+def _downloads_dir() -> str:
+    """Where :func:`local_copy` keeps downloads unless told otherwise."""
+    return os.path.join(tempfile.gettempdir(), "lm-pipeline-downloads")
+
+
+def _copy_key(url: str) -> str:
+    """The name of a download of ``url``: its last component and a hash of the URL and of the
+    sizes and versions (ETag, else modification time) its listing shows, so a rewritten object
+    gets a new copy."""
+    store, inner = get_fs(url)
+    inner = inner.rstrip("/")
+    _fresh(store, inner)
+    listing = [(name[len(inner):], info.get("size"),
+                next((info[k] for k in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "updated", "created")
+                      if info.get(k) is not None), None))
+               for name, info in sorted(store.find(inner, detail=True).items())]
+    if not listing:
+        raise FileNotFoundError(errno.ENOENT, "no such file or directory", url)
+    ident = json.dumps([url, listing], default=str)
+    return f"{basename(url)}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
+def local_copy(path: PathLike, *, cache_dir: str | None = None, key: str | Callable[[], str] | None = None) -> str:
+    """A local path holding what the file or directory ``path`` holds, for readers that need the
+    local filesystem: ``path`` itself when it is local (nothing read, nothing copied); for a URL a
+    download under ``cache_dir`` (default ``<tmp>/lm-pipeline-downloads``) named ``key`` (called only for
+    URLs; default: from the URL and its listing, see :func:`_copy_key`). Downloaded once: to a
+    temporary name, renamed when whole, so a copy found is complete and is reused.
+    FileNotFoundError if nothing is at ``path``."""
+    local = as_local(path)
+    if local is not None:
+        return local
+    url = norm(path)
+    root = cache_dir or _downloads_dir()
+    target = os.path.join(root, key() if callable(key) else key or _copy_key(url))
+    if os.path.exists(target):
+        return target
+    os.makedirs(root, exist_ok=True)
+    tmp = f"{target}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        store, inner = get_fs(url)
+        if store.isdir(inner):
+            download_tree(url, tmp)
+        else:
+            store.get_file(inner, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished the same copy first
+            if not os.path.exists(target):
+                raise
+    finally:
+        rmtree(tmp)
+    return target
+
+
+def forget_copy(path: PathLike, *, cache_dir: str | None = None, key: str | Callable[[], str] | None = None) -> None:
+    """Delete the download :func:`local_copy` made of the URL ``path`` (same ``cache_dir`` and
+    ``key``), e.g. one found damaged: the next :func:`local_copy` downloads again. Nothing for a
+    local path, whose copy is itself."""
+    if as_local(path) is not None:
+        return
+    name = key() if callable(key) else key or _copy_key(norm(path))
+    rmtree(os.path.join(cache_dir or _downloads_dir(), name))
+
+
+@contextlib.contextmanager
+def staged(target: PathLike, *, last: tuple[str, ...] = (), clear: bool = False) -> Iterator[str]:
+    """A local directory to write the directory ``target`` into, for writers that need a real one.
+
+    Local ``target``: its own path, written in place (the block creates it as it would without
+    staging); nothing is copied. A URL: a fresh temporary directory, uploaded to ``target`` when
+    the block exits normally (the relative names in ``last``, e.g. a completion marker, after all
+    the others), and deleted in any case; nothing is uploaded after an exception. ``clear``: the
+    upload first deletes what is under ``target`` (an interrupted attempt's files), the names in
+    ``last`` before the rest, so no old marker ever stands over partial contents."""
+    local = as_local(target)
+    if local is not None:
+        yield local
+        return
+    url = norm(target)
+    tmp = tempfile.mkdtemp(prefix="lm-pipeline-staged-")
+    try:
+        yield tmp
+        if clear:
+            for name in last:
+                remove(join(url, name))
+            rmtree(url)
+        upload_tree(tmp, url, last=last)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 class AppendFile:
     """A text file opened for appending, at a local path or a URL.
 
@@ -502,6 +723,12 @@ class AppendFile:
     @property
     def closed(self) -> bool:
         return self._file.closed
+
+    @property
+    def local_file(self) -> str:
+        """The local file the text goes to: the file itself, or its staging copy (for a writer
+        that needs a real file, such as a :class:`logging.FileHandler`)."""
+        return self._file.name
 
     def write(self, text: str) -> None:
         """Append ``text`` and flush it to the operating system."""

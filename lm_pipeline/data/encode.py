@@ -1,7 +1,7 @@
 """Document tokenization for the token cache: special-token detection and shard encoding.
 
 Kept free of TensorStore so that cache-building worker processes start quickly: a worker only
-imports this module, numpy and ``tokenizers``.
+imports this module, numpy, ``tokenizers`` and :mod:`lm_pipeline.fs` (which reads its shards too).
 
 Conventions (recorded in the cache ledger, see :func:`TokenizerInfo.settings`):
 
@@ -27,6 +27,8 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from lm_pipeline import fs
+
 TOKEN_DTYPE = np.uint32
 _PROBE = "lm_pipeline probe: hello world 123"
 # One encode batch = one part the cache builder appends: at most this many documents, and at most
@@ -50,22 +52,6 @@ class EncodedShard(NamedTuple):
     tokens: np.ndarray  # uint32 [num_tokens]
     doc_lengths: np.ndarray  # int64 [num_docs]
     doc_bytes: np.ndarray  # int64 [num_docs]
-
-
-def _read_bytes(path: str) -> bytes:
-    if "://" in path and not path.startswith("file://"):
-        import fsspec
-
-        with fsspec.open(path, "rb") as f:
-            return f.read()
-    if path.startswith("file://"):
-        path = path[len("file://") :]
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def _join(base: str, name: str) -> str:
-    return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
 
 
 def _token_string(value: Any) -> str | None:
@@ -116,14 +102,14 @@ class TokenizerInfo:
 
 def tokenizer_fingerprint(tokenizer_dir: str) -> str:
     """sha256 (hex) of the directory's ``tokenizer.json``."""
-    return hashlib.sha256(_read_bytes(_join(str(tokenizer_dir), "tokenizer.json"))).hexdigest()
+    return hashlib.sha256(fs.read_bytes(fs.join(tokenizer_dir, "tokenizer.json"), missing_ok=False)).hexdigest()
 
 
 def load_tokenizer(tokenizer_dir: str):
     """The ``tokenizers.Tokenizer`` of a directory, set up for document encoding."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_str(_read_bytes(_join(str(tokenizer_dir), "tokenizer.json")).decode("utf-8"))
+    tok = Tokenizer.from_str(fs.read_bytes(fs.join(tokenizer_dir, "tokenizer.json"), missing_ok=False).decode("utf-8"))
     tok.encode_special_tokens = True  # special-token strings inside documents stay plain text
     tok.no_padding()
     tok.no_truncation()
@@ -133,13 +119,10 @@ def load_tokenizer(tokenizer_dir: str):
 def tokenizer_info(tokenizer_dir: str, tok=None) -> TokenizerInfo:
     """Inspect a tokenizer directory: fingerprint, EOS, and what the post-processor adds."""
     tokenizer_dir = os.fspath(tokenizer_dir)
-    raw = _read_bytes(_join(tokenizer_dir, "tokenizer.json"))
+    raw = fs.read_bytes(fs.join(tokenizer_dir, "tokenizer.json"), missing_ok=False)
     fingerprint = hashlib.sha256(raw).hexdigest()
     tok = tok or load_tokenizer(tokenizer_dir)
-    try:
-        cfg = json.loads(_read_bytes(_join(tokenizer_dir, "tokenizer_config.json")))
-    except FileNotFoundError:
-        cfg = {}
+    cfg = json.loads(fs.read_bytes(fs.join(tokenizer_dir, "tokenizer_config.json")) or "{}")
     eos_token = _token_string(cfg.get("eos_token"))
     if not eos_token:
         raise ValueError(

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from lm_pipeline import fs
 from lm_pipeline.data.config import TokenizerConfig
 from lm_pipeline.faultpoints import faultpoint
 
@@ -98,8 +99,6 @@ def _write_dir(
 ) -> TokenizerInfo:
     """Write the three files (configs first, tokenizer.json last) and return the info;
     ``source`` names where ``tokenizer_json`` was read from (in an error)."""
-    from lm_pipeline import fs
-
     out = os.fspath(out_dir)
     tok = _parse_tokenizer(tokenizer_json, source or TOKENIZER_FILE)
     fs.makedirs(out)
@@ -117,11 +116,11 @@ def _write_dir(
     smap: dict[str, Any] = dict(special)
     if additional:
         smap["additional_special_tokens"] = list(additional)
-    _atomic_write(_join(out, CONFIG_FILE), _json_bytes(config))
+    _atomic_write(fs.join(out, CONFIG_FILE), _json_bytes(config))
     faultpoint("tokenizer.after_config")  # the first file is written
-    _atomic_write(_join(out, SPECIAL_MAP_FILE), _json_bytes(smap))
+    _atomic_write(fs.join(out, SPECIAL_MAP_FILE), _json_bytes(smap))
     faultpoint("tokenizer.after_special_map")
-    _atomic_write(_join(out, TOKENIZER_FILE), tokenizer_json)
+    _atomic_write(fs.join(out, TOKENIZER_FILE), tokenizer_json)
     return tokenizer_info(out)
 
 
@@ -234,8 +233,6 @@ def train_bpe(
 
 
 def _read_json(path: str) -> dict[str, Any]:
-    from lm_pipeline import fs
-
     text = fs.read_text(path)
     if text is None:
         return {}
@@ -286,21 +283,19 @@ def load_hf_tokenizer(
     ``transformers.AutoTokenizer`` and must yield a fast tokenizer. ``eos_token`` overrides (or
     supplies) the EOS token; it must be in the vocabulary.
     """
-    from lm_pipeline import fs
     from lm_pipeline.inputs import tokenizer_problem
 
     problem = tokenizer_problem(name_or_path)  # a local path that is missing, a file, or corrupt
     if problem:
         raise TokenizerError(f"data.tokenizer: {problem}")
-    local = os.path.expanduser(name_or_path) if fs.is_local(name_or_path) else name_or_path.rstrip("/")
     additional: list[str] = []
-    found = fs.read_bytes(_join(local, TOKENIZER_FILE))
-    source = _join(local, TOKENIZER_FILE)
+    source = fs.join(name_or_path, TOKENIZER_FILE)
+    found = fs.read_bytes(source)
     if found is not None:  # a directory (local or on an object store) holding tokenizer.json
         data = found
         _parse_tokenizer(data, source)  # before its special tokens are looked for
-        conf = _read_json(_join(local, CONFIG_FILE))
-        smap = _read_json(_join(local, SPECIAL_MAP_FILE))
+        conf = _read_json(fs.join(name_or_path, CONFIG_FILE))
+        smap = _read_json(fs.join(name_or_path, SPECIAL_MAP_FILE))
         roles = {r: _token_str(smap.get(r, conf.get(r))) for r in _ROLES}
         extra: dict[str, Any] = {}
         if isinstance(conf.get("model_max_length"), int):
@@ -343,10 +338,9 @@ def _auto_tokenizer(auto: Any, name_or_path: str, revision: str | None) -> Any:
     """``AutoTokenizer.from_pretrained`` of a local directory or a hub id, failing in one line:
     a hub id when the hub cannot be reached (checked once, in seconds: :mod:`lm_pipeline.hf.hub`)
     comes from the local Hugging Face cache or not at all."""
-    from lm_pipeline import fs
     from lm_pipeline.hf import hub
 
-    local = fs.is_local(name_or_path) and os.path.isdir(os.path.expanduser(name_or_path))
+    local = fs.is_local_dir(name_or_path)
     offline = None if local else hub.unreachable()
 
     def not_cached() -> TokenizerError:
@@ -382,35 +376,19 @@ def build_tokenizer(
 # --- loading --------------------------------------------------------------------------------
 
 
-def _read_bytes(path: str) -> bytes:
-    if "://" in path and not path.startswith("file://"):
-        import fsspec
-
-        with fsspec.open(path, "rb") as f:
-            return f.read()
-    with open(path.removeprefix("file://"), "rb") as f:
-        return f.read()
-
-
-def _join(base: str, name: str) -> str:
-    return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
-
-
 def load_tokenizer(path: str | os.PathLike):
     """The ``tokenizers.Tokenizer`` of a tokenizer directory (local or fsspec URL)."""
-    file = _join(os.fspath(path), TOKENIZER_FILE)
-    return _parse_tokenizer(_read_bytes(file), file)
+    file = fs.join(path, TOKENIZER_FILE)
+    return _parse_tokenizer(fs.read_bytes(file, missing_ok=False), file)
 
 
 def tokenizer_info(path: str | os.PathLike) -> TokenizerInfo:
     """Vocabulary size, EOS / BOS / PAD ids and what the tokenizer adds by itself."""
     base = os.fspath(path)
-    data = _read_bytes(_join(base, TOKENIZER_FILE))
-    tok = _parse_tokenizer(data, _join(base, TOKENIZER_FILE))
-    try:
-        conf = _json_object(_read_bytes(_join(base, CONFIG_FILE)), _join(base, CONFIG_FILE))
-    except FileNotFoundError:
-        conf = {}
+    data = fs.read_bytes(fs.join(base, TOKENIZER_FILE), missing_ok=False)
+    tok = _parse_tokenizer(data, fs.join(base, TOKENIZER_FILE))
+    conf_bytes = fs.read_bytes(fs.join(base, CONFIG_FILE))
+    conf = {} if conf_bytes is None else _json_object(conf_bytes, fs.join(base, CONFIG_FILE))
     roles = {r: _token_str(conf.get(r)) for r in _ROLES}
     eos = roles["eos_token"]
     if eos is None or tok.token_to_id(eos) is None:
