@@ -13,7 +13,6 @@ import os
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -144,62 +143,52 @@ TOP_LEVEL_EXPORT_KEYS = ("hf_save_steps", "hf_save_path", "hf_upload")
 class _IncludeLoader(yaml.SafeLoader):
     """A safe loader that knows the chain of files including the one it reads (cycle check)."""
 
-    include_stack: tuple[Path | str, ...] = ()
+    include_stack: tuple[str, ...] = ()
 
 
 def _include(loader: _IncludeLoader, node: yaml.Node) -> Any:
+    from lm_pipeline import fs
+
     if not isinstance(node, yaml.ScalarNode):
         raise ConfigError("", f"{loader.name}: !include takes a file path, e.g. `data: !include data.yaml`")
     rel = loader.construct_scalar(node)
-    if "://" in loader.name and not loader.name.startswith("file://"):  # a config on an object store
-        return _load_yaml(rel if "://" in rel else f"{loader.name.rsplit('/', 1)[0]}/{rel}", loader.include_stack)
-    base = Path(loader.name).parent
-    return _load_yaml(base / rel, loader.include_stack)
+    return _load_yaml(fs.resolve(fs.parent(loader.name), rel), loader.include_stack)  # the including file's dir
 
 
-def _read_config_text(path: str | os.PathLike, stack: tuple[Path | str, ...]) -> tuple[str, str, Path | str]:
-    """(text, display name, identity for the cycle check) of a config file: a local path or a URL
-    (read through fsspec with the store's standard credentials)."""
+def _read_config_text(path: str | os.PathLike, stack: tuple[str, ...]) -> str:
+    """The text of a config file: a local path or a URL (read through fsspec with the store's
+    standard credentials)."""
+    from lm_pipeline import fs
+
     where = f" (included from {stack[-1]})" if stack else ""
     text_path = os.fspath(path)
-    if "://" in text_path and not text_path.startswith("file://"):
-        from lm_pipeline import fs
-
-        problem = fs.url_problem(text_path)
-        if problem:
-            raise ConfigError("", f"config file {problem}")
-        try:
-            data = fs.read_bytes(text_path)
-        except Exception as e:  # noqa: BLE001 - credentials, bucket, network: one line
-            raise ConfigError("", f"cannot read {text_path}{where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-        if data is None:
-            raise ConfigError("", f"config file not found: {text_path}{where}")
-        try:
-            return data.decode("utf-8"), text_path, text_path
-        except UnicodeDecodeError as e:
-            raise ConfigError("", f"cannot read {text_path}: {e}") from None
-    p = Path(text_path.removeprefix("file://"))
-    if not p.is_file():
-        raise ConfigError("", f"config file not found: {p}{where}")
+    problem = fs.url_problem(text_path)
+    if problem:
+        raise ConfigError("", f"config file {problem}")
     try:
-        return p.read_text(encoding="utf-8"), str(p), p.resolve()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError("", f"cannot read {p}: {e}") from None
+        data = fs.read_bytes(text_path)
+    except Exception as e:  # noqa: BLE001 - permissions, credentials, bucket, network: one line
+        raise ConfigError("", f"cannot read {text_path}{where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if data is None:
+        raise ConfigError("", f"config file not found: {text_path}{where}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError("", f"cannot read {text_path}: {e}") from None
 
 
 _IncludeLoader.add_constructor("!include", _include)
 
 
-def _load_yaml(path: str | os.PathLike, stack: tuple[Path | str, ...] = ()) -> Any:
-    text_path = os.fspath(path)
-    if "://" not in text_path or text_path.startswith("file://"):
-        resolved: Path | str = Path(text_path.removeprefix("file://")).resolve()
-    else:
-        resolved = text_path
+def _load_yaml(path: str | os.PathLike, stack: tuple[str, ...] = ()) -> Any:
+    from lm_pipeline import fs
+
+    path = os.fspath(path)
+    resolved = fs.norm(path)  # the identity of the file, for the cycle check
     if resolved in stack:
-        chain = " -> ".join(str(p) for p in (*stack, resolved))
+        chain = " -> ".join((*stack, resolved))
         raise ConfigError("", f"include cycle: {chain}")
-    text, path, _ = _read_config_text(text_path, stack)
+    text = _read_config_text(path, stack)
     try:
         loader = _IncludeLoader(text)  # the reader rejects control characters right here
     except yaml.YAMLError as e:

@@ -46,6 +46,30 @@ def test_include_cycle_and_missing_file(tmp_path):
         load_config(m)
 
 
+def test_include_relative_to_a_config_url_and_of_a_url(tmp_path):
+    import uuid
+
+    import fsspec
+
+    mem = fsspec.filesystem("memory")
+    root = f"memory://lmp-config-{uuid.uuid4().hex[:8]}"
+    model = "type: llama\nhidden_dim: 64\nnum_heads: 4\nnum_kv_heads: 2\nintermediate_dim: 128\nnum_layers: 2\nseq_len: 32\n"
+    mem.pipe_file(f"{root}/conf/model.yaml".removeprefix("memory://"), model.encode())
+    mem.pipe_file(f"{root}/shared/trainer.yaml".removeprefix("memory://"), b"num_train_steps: 7\n")
+    mem.pipe_file(f"{root}/conf/run.yaml".removeprefix("memory://"),
+                  f"model: !include model.yaml\ntrainer: !include {root}/shared/trainer.yaml\n".encode())
+    try:
+        cfg = load_config(f"{root}/conf/run.yaml")  # model.yaml beside run.yaml, on the store
+        assert isinstance(cfg.model, LlamaConfig) and cfg.trainer.num_train_steps == 7
+        local = write(tmp_path, "run.yaml", f"model: !include {root}/conf/model.yaml\n")  # a URL from a local file
+        assert isinstance(load_config(local).model, LlamaConfig)
+        mem.pipe_file(f"{root}/conf/loop.yaml".removeprefix("memory://"), b"x: !include loop.yaml\n")
+        with pytest.raises(ConfigError, match="include cycle"):
+            load_config(f"{root}/conf/loop.yaml")
+    finally:
+        mem.rm(root.removeprefix("memory://"), recursive=True)
+
+
 def test_overrides_parse_yaml_values():
     pairs = parse_overrides(["--model.num_heads", "20", "--trainer.checkpointer.save_interval=20m", "--optimizer.learning_rate", "6e-4"])
     assert pairs == [("model.num_heads", 20), ("trainer.checkpointer.save_interval", "20m"), ("optimizer.learning_rate", "6e-4")]
