@@ -158,17 +158,20 @@ def schedule_problems(train_weights: Any, names: Sequence[str], block_size: int)
                 valid = False
         if not any(w > 0 and math.isfinite(w) for w in weights.values()):
             problems.append((where, "needs at least one positive weight"))
+        elif valid and not math.isfinite(sum(weights.values())):
+            problems.append((where, "the weights add up to more than a number holds; scale them down"))
         elif valid and 1 <= block_size <= MAX_MIXTURE_BLOCK_SIZE:
             counts = dict(zip(names, block_counts(weights, names, block_size), strict=True))
             total = sum(weights.values())
             for name, w in weights.items():
                 if w > 0 and counts[name] == 0:
-                    need = math.ceil(total / w)
-                    while int(w / total * need) < 1:
+                    need = math.ceil(total / w) if math.isfinite(total / w) else MAX_MIXTURE_BLOCK_SIZE + 1
+                    while need <= MAX_MIXTURE_BLOCK_SIZE and int(w / total * need) < 1:
                         need += 1
+                    fix = (f"raise mixture_block_size to at least {need}, or the weight" if need <= MAX_MIXTURE_BLOCK_SIZE
+                           else "raise the weight")
                     problems.append((f"{where}.{name}", f"weight {w:g} of {total:g} is no row of a block of "
-                                     f"{block_size} (mixture_block_size): the component would never be drawn; "
-                                     f"raise mixture_block_size to at least {need}, or the weight"))
+                                     f"{block_size} (mixture_block_size): the component would never be drawn; {fix}"))
     return problems
 
 
