@@ -648,6 +648,7 @@ def local_copy(path: PathLike, *, cache_dir: str | None = None, key: str | Calla
     tmp = f"{target}.tmp-{uuid.uuid4().hex[:12]}"
     try:
         store, inner = get_fs(url)
+        _fresh(store, inner)
         if store.isdir(inner):
             download_tree(url, tmp)
         else:

@@ -5,6 +5,7 @@ newest intact one -- ending with the parameters of a run that was never interrup
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import equinox as eqx
@@ -141,3 +142,54 @@ def test_a_damaged_checkpoint_the_user_named_is_an_error_naming_it(tmp_path, mon
     with pytest.raises(ConfigError, match=r"step-4 is damaged: state/.* bytes"):
         train(cfg, train_data=_data(), vocab_size=50, run_dir=str(tmp_path / "other"))
     assert (run_dir / "step-4" / MARKER).is_file()  # the user's checkpoint is left where it is
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_integrity_on_a_local_dir_and_on_an_object_store(tmp_path, monkeypatch, where):
+    """file_digests, verify and move_aside on hand-made step dirs: the same record and findings
+    on both; a damaged download is dropped (the next look downloads again), a local dir never is."""
+    import uuid
+
+    from lm_pipeline import fs
+    from lm_pipeline.train.checkpoint.integrity import file_digests, move_aside, verify
+    from lm_pipeline.train.checkpoint.remote import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    root = str(tmp_path / "run") if where == "local" else f"memory://lmp-heal-{uuid.uuid4().hex[:8]}/run"
+    step = fs.join(root, "step-4")
+    files = {"state/a": b"a" * 10, "state/sub/b": b"b" * 3, "tokenizer/t.json": b"{}"}
+    for rel, data in files.items():
+        fs.put(_local_file(tmp_path, data), fs.join(step, *rel.split("/")))
+    record = file_digests(step)
+    assert record == {rel: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for rel, d in files.items()}
+    marker = {"step": 4, "kind": "temporary", "files": record, "unix_time": 1}
+    fs.put(_local_file(tmp_path, json.dumps(marker).encode()), fs.join(step, MARKER))
+    assert file_digests(step) == record  # the marker is never recorded
+    assert verify(step, marker) == []
+    downloads = sorted(os.listdir(tmp_path / "cache")) if (tmp_path / "cache").exists() else []
+    assert (downloads == []) == (where == "local")  # a local dir is checked in place
+    fs.put(_local_file(tmp_path, b"b" * 2), fs.join(step, "state", "sub", "b"))  # truncated after the save
+    problems = verify(step, marker)
+    if where == "memory":  # the intact copy made before is what was checked: still intact
+        assert problems == []
+        from lm_pipeline.train.checkpoint.remote import forget_copy
+
+        forget_copy(step, marker)
+        problems = verify(step, marker)
+    assert problems == ["state/sub/b has 2 bytes, 3 were written"]
+    assert fs.exists(fs.join(step, MARKER))  # verify only reports
+    if where == "memory":
+        assert os.listdir(tmp_path / "cache") == []  # the damaged download is dropped
+    moved = move_aside(step)
+    assert fs.parent(moved) == fs.join(root, ".damaged") and fs.basename(moved).startswith("step-4-")
+    assert not fs.exists(step) and fs.exists(fs.join(moved, MARKER))
+    assert fs.read_bytes(fs.join(moved, "state", "a")) == b"a" * 10
+    fs.rmtree(root)
+
+
+def _local_file(tmp_path: Path, data: bytes) -> str:
+    import uuid
+
+    path = tmp_path / f"src-{uuid.uuid4().hex[:8]}"
+    path.write_bytes(data)
+    return str(path)

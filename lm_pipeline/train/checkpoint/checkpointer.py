@@ -56,7 +56,7 @@ def _check_extra_files(extra_files: Mapping[str, ExtraFile] | None) -> dict[str,
     out: dict[str, ExtraFile] = {}
     for name, value in (extra_files or {}).items():
         parts = name.replace("\\", "/").strip("/").split("/")
-        if not name or os.path.isabs(name) or "://" in name or any(p in ("", ".", "..") for p in parts):
+        if not name or os.path.isabs(name) or fs.scheme(name) or any(p in ("", ".", "..") for p in parts):
             raise ValueError(f"extra file name {name!r} must be a relative path inside the checkpoint dir")
         if parts[0] == MARKER or parts[0] == STATE_DIR or parts[0].startswith(STATE_DIR + "."):
             raise ValueError(f"extra file name {name!r} is reserved")
@@ -256,8 +256,8 @@ class Checkpointer:
         """Every process: process 0 makes a fresh step dir holding the extra files; all then sync."""
         import orbax.checkpoint as ocp
 
-        if not fs.is_local(path):  # every process, before the barrier: no array is written yet
-            shutil.rmtree(staging_dir(path, self._counter, jax.process_index()), ignore_errors=True)
+        # every process, before the barrier: no array is written yet (a local checkpoint has none)
+        shutil.rmtree(staging_dir(path, self._counter, jax.process_index()), ignore_errors=True)
         if jax.process_index() == 0:
             if fs.exists(path):
                 logger.warning("checkpoint: removing incomplete %s before saving step %d", path, step)
@@ -280,8 +280,10 @@ class Checkpointer:
                                                     multiprocessing_options=per_process_options())
             else:
                 self._orbax = ocp.AsyncCheckpointer(new_pytree_handler(), timeout_secs=TIMEOUT_S)
-        staging = None if fs.is_local(path) else staging_dir(path, self._counter, jax.process_index())  # emptied
-        target = fs.join(path, STATE_DIR) if staging is None else os.path.join(staging, STATE_DIR)
+        # Orbax writes a local directory: the step dir itself, or a staging dir (emptied) uploaded when complete
+        local = fs.as_local(path)
+        staging = None if local is not None else staging_dir(path, self._counter, jax.process_index())
+        target = os.path.join(local or staging, STATE_DIR)
         self._orbax.save(target, args=ocp.args.PyTreeSave(flat))
         return staging
 

@@ -15,7 +15,6 @@ the local cache (:mod:`.remote`) and checks that copy, and moving aside copies t
 from __future__ import annotations
 
 import datetime
-import hashlib
 import os
 
 from lm_pipeline import fs
@@ -25,41 +24,6 @@ __all__ = ["DAMAGED_DIR", "file_digests", "move_aside", "verify"]
 
 #: Where damaged checkpoints are moved, beside the step dirs (hidden: discovery skips it).
 DAMAGED_DIR = ".damaged"
-_CHUNK = 1 << 20
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _remote_digests(step_dir: str, staged: str | None, uploaded: dict[str, dict] | None) -> dict[str, dict]:
-    store, inner = fs.get_fs(step_dir)
-    inner = inner.rstrip("/")
-    store.invalidate_cache(inner)
-    out: dict[str, dict] = {}
-    for name, info in sorted(store.find(inner, detail=True).items()):
-        rel = name[len(inner):].lstrip("/")
-        if not rel or rel == MARKER:
-            continue
-        size = int(info.get("size") or 0)
-        local = os.path.join(staged, *rel.split("/")) if staged else None
-        known = (uploaded or {}).get(rel)
-        if known is not None and known.get("size") == size:
-            digest = known["sha256"]  # hashed from the local bytes by the process that uploaded them
-        elif local and os.path.isfile(local) and os.path.getsize(local) == size:
-            digest = _sha256(local)  # the bytes that were uploaded
-        else:
-            h = hashlib.sha256()
-            with store.open(name, "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    h.update(chunk)
-            digest = h.hexdigest()
-        out[rel] = {"size": size, "sha256": digest}
-    return out
 
 
 def file_digests(step_dir: str, staged: str | None = None, uploaded: dict[str, dict] | None = None
@@ -69,19 +33,21 @@ def file_digests(step_dir: str, staged: str | None = None, uploaded: dict[str, d
     On an object store the files are listed there (their sizes as stored) and their hashes taken
     from ``uploaded`` (relative path -> size, sha256 of the bytes a process uploaded) where the
     size matches, else hashed from ``staged``, a local directory with the same layout holding what
-    was uploaded, where it has the file with that size, else read back."""
-    if not fs.is_local(step_dir):
-        return _remote_digests(step_dir, staged, uploaded)
-    root = fs.local_path(step_dir)
+    was uploaded, where it has the file with that size, else read back. A local step dir: its
+    files, hashed."""
     out: dict[str, dict] = {}
-    for parent, dirs, files in os.walk(root):
-        dirs.sort()
-        for name in sorted(files):
-            full = os.path.join(parent, name)
-            rel = os.path.relpath(full, root).replace(os.sep, "/")
-            if rel == MARKER:
-                continue
-            out[rel] = {"size": os.path.getsize(full), "sha256": _sha256(full)}
+    for rel, size in fs.file_sizes(step_dir).items():
+        if rel == MARKER:
+            continue
+        local = os.path.join(staged, *rel.split("/")) if staged else None
+        known = (uploaded or {}).get(rel)
+        if known is not None and known.get("size") == size:
+            digest = known["sha256"]  # hashed from the local bytes by the process that uploaded them
+        elif local and os.path.isfile(local) and os.path.getsize(local) == size:
+            digest = fs.sha256_of(local)  # the bytes that were uploaded
+        else:
+            digest = fs.sha256_of(fs.join(step_dir, rel))
+        out[rel] = {"size": size, "sha256": digest}
     return out
 
 
@@ -91,14 +57,9 @@ def verify(step_dir: str, marker: dict) -> list[str]:
     recorded: dict[str, dict] = marker.get("files") or {}
     if not recorded:
         return []
-    if not fs.is_local(step_dir):
-        from lm_pipeline.train.checkpoint.remote import forget_copy, local_copy
+    from lm_pipeline.train.checkpoint.remote import forget_copy, local_copy
 
-        problems = verify(local_copy(step_dir, marker), marker)
-        if problems:
-            forget_copy(step_dir, marker)
-        return problems
-    root = fs.local_path(step_dir)
+    root = local_copy(step_dir, marker)  # the dir itself; an object store's: its local copy
     problems = []
     for rel, want in sorted(recorded.items()):
         full = os.path.join(root, *rel.split("/"))
@@ -108,8 +69,10 @@ def verify(step_dir: str, marker: dict) -> list[str]:
         size = os.path.getsize(full)
         if size != want.get("size"):
             problems.append(f"{rel} has {size} bytes, {want.get('size')} were written")
-        elif _sha256(full) != want.get("sha256"):
+        elif fs.sha256_of(full) != want.get("sha256"):
             problems.append(f"{rel} has changed since it was written (sha256 differs)")
+    if problems:
+        forget_copy(step_dir, marker)  # a damaged download is not kept (a local dir is left as it is)
     return problems
 
 
@@ -118,18 +81,7 @@ def move_aside(step_dir: str) -> str:
     path. Its marker goes with it, so it is never found as a checkpoint again. On object stores:
     copied there, then the original's marker deleted first and the rest after."""
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S%fZ")
-    if not fs.is_local(step_dir):
-        url = fs.norm(step_dir)
-        parent, name = url.rsplit("/", 1)
-        target = f"{parent}/{DAMAGED_DIR}/{name}-{stamp}"
-        fs.copy_tree(url, target)
-        fs.remove(fs.join(url, MARKER))
-        fs.rmtree(url)
-        return target
-    root = fs.local_path(step_dir).rstrip(os.sep)
-    parent, name = os.path.split(root)
-    target_dir = os.path.join(parent, DAMAGED_DIR)
-    os.makedirs(target_dir, exist_ok=True)
-    target = os.path.join(target_dir, f"{name}-{stamp}")
-    os.replace(root, target)
+    step = fs.norm(step_dir)
+    target = fs.join(fs.parent(step), DAMAGED_DIR, f"{fs.basename(step)}-{stamp}")
+    fs.move(step, target, first=(MARKER,))  # local: one rename; object stores: the marker deleted first
     return target

@@ -24,13 +24,11 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import tempfile
-import uuid
 
 from lm_pipeline import fs
 from lm_pipeline.faultpoints import faultpoint
-from lm_pipeline.train.checkpoint.marker import MARKER, require_marker
+from lm_pipeline.train.checkpoint.marker import require_marker
 
 __all__ = ["CACHE_ENV", "cache_root", "forget_copy", "local_copy", "staging_dir", "upload_state"]
 
@@ -50,32 +48,17 @@ def _key(url: str, marker: dict) -> str:
 def local_copy(path: str, marker: dict | None = None) -> str:
     """A local directory holding the complete checkpoint at ``path`` (itself when local).
 
-    Object stores: downloaded once into :func:`cache_root` (to a temporary name, renamed when
-    whole). The caller verifies it against the marker before trusting it."""
-    if fs.is_local(path):
-        return fs.local_path(path)
-    marker = marker if marker is not None else require_marker(path)
-    target = os.path.join(cache_root(), _key(fs.norm(path), marker))
-    if os.path.isfile(os.path.join(target, MARKER)):
-        return target
-    os.makedirs(cache_root(), exist_ok=True)
-    tmp = f"{target}.tmp-{uuid.uuid4().hex[:12]}"
-    try:
-        fs.download_tree(path, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process finished the same copy first
-            if not os.path.isfile(os.path.join(target, MARKER)):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    Object stores: downloaded once into :func:`cache_root` (:func:`lm_pipeline.fs.local_copy`),
+    under a name made from the URL and its marker. The caller verifies it against the marker
+    before trusting it."""
+    return fs.local_copy(path, cache_dir=cache_root(),
+                         key=lambda: _key(fs.norm(path), marker if marker is not None else require_marker(path)))
 
 
 def forget_copy(path: str, marker: dict) -> None:
-    """Drop the local copy of the object-store checkpoint ``path`` (e.g. found damaged)."""
-    if not fs.is_local(path):
-        shutil.rmtree(os.path.join(cache_root(), _key(fs.norm(path), marker)), ignore_errors=True)
+    """Drop the local copy of the object-store checkpoint ``path`` (e.g. found damaged); nothing
+    for a local checkpoint."""
+    fs.forget_copy(path, cache_dir=cache_root(), key=lambda: _key(fs.norm(path), marker))
 
 
 def staging_dir(url: str, counter: int, process_index: int = 0) -> str:
@@ -103,14 +86,6 @@ def _written_dir(staging: str, name: str) -> str:
     return max(tmps, key=os.path.getmtime)
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def upload_state(staging: str, name: str, url: str, process_index: int = 0) -> dict[str, dict]:
     """Upload what this process's Orbax wrote under ``staging/<name>`` to ``url`` file by file;
     returns ``{"<name>/<rel>": {"size", "sha256"}}`` of the uploaded bytes.
@@ -134,7 +109,7 @@ def upload_state(staging: str, name: str, url: str, process_index: int = 0) -> d
     out: dict[str, dict] = {}
     for i, rel in enumerate(files):
         local = os.path.join(local_dir, *rel.split("/"))
-        out[f"{name}/{rel}"] = {"size": os.path.getsize(local), "sha256": _sha256(local)}
+        out[f"{name}/{rel}"] = {"size": os.path.getsize(local), "sha256": fs.sha256_of(local)}
         fs.put(local, fs.join(url, *rel.split("/")))
         if i == (len(files) - 1) // 2:
             faultpoint("checkpoint.upload_partial")  # some array files uploaded, not all (one of two)
