@@ -131,16 +131,14 @@ def token_cache(pipe: Pipeline) -> StageResult:
 
 def _tokenizer_files(tok_dir: str) -> dict[str, Path | bytes]:
     """The tokenizer's own files, for a checkpoint's ``tokenizer/``: never the store's manifest
-    (a copied manifest.json would make a partial downstream artifact look complete). Local files
-    by path; files on an object store by content (a tokenizer is a few small files)."""
+    (a copied manifest.json would make a partial downstream artifact look complete). By path: the
+    files themselves, or local copies of those on an object store."""
     from lm_pipeline import fs
     from lm_pipeline.store import MANIFEST
 
     names = sorted(name for name, is_dir in fs.listdir(tok_dir)
                    if not is_dir and name != MANIFEST and not name.startswith("."))
-    if fs.is_local(tok_dir):
-        return {f"tokenizer/{name}": Path(fs.join(tok_dir, name)) for name in names}
-    return {f"tokenizer/{name}": fs.read_bytes(fs.join(tok_dir, name)) or b"" for name in names}
+    return {f"tokenizer/{name}": Path(fs.local_copy(fs.join(tok_dir, name))) for name in names}
 
 
 def continuation_hint(pipe: Pipeline) -> str | None:

@@ -80,34 +80,33 @@ def _incomplete(store: ArtifactStore, stage: str, fp: str) -> IncompleteArtifact
 
 
 def _looks_like_path(arg: str) -> bool:
-    return "://" in arg or "/" in arg or arg in (".", "..") or fs.exists(arg)
+    return "/" in arg or arg in (".", "..") or fs.exists(arg)  # a URL has a "/" too
 
 
-def _split(path: str) -> tuple[str, list[str]]:
-    """(prefix, components) of a normalized local path or URL: ``prefix + "/".join(components)``."""
-    if fs.is_local(path):
-        return "/", [p for p in path.split("/") if p]
-    scheme, rest = path.split("://", 1)
-    return f"{scheme}://", [p for p in rest.split("/") if p]
+def _addresses(path: str) -> list[tuple[str, str, str]]:
+    """(store root, stage, fingerprint) of every ``<root>/<stage>/<fingerprint>`` the normalized
+    local path or URL ``path`` lies in or is, deepest first (any names: the caller picks)."""
+    out = []
+    fp_dir = path
+    while (stage_dir := fs.parent(fp_dir)) != fp_dir and (root := fs.parent(stage_dir)) != stage_dir:
+        out.append((root, fs.basename(stage_dir), fs.basename(fp_dir)))
+        fp_dir = stage_dir
+    return out
 
 
 def _from_path(arg: str, store_root: str | None, stages: Sequence[str]) -> tuple[ArtifactStore, str, str]:
     path = fs.norm(arg)
-    prefix, parts = _split(path)
     if not fs.exists(path):
         # "<stage>/<fingerprint or prefix>": an address in the given store
         raw = [p for p in arg.strip("/").split("/") if p]
-        if store_root is not None and "://" not in arg and len(raw) == 2 and raw[0] in stages:
+        if store_root is not None and len(raw) == 2 and raw[0] in stages:
             return _from_fingerprint(raw[1], store_root, (raw[0],))
         raise UnknownArtifact(f"{arg}: no such file or directory (give a path inside an artifact, "
                               f"<store>/<stage>/<fingerprint>/..., or a fingerprint)")
     # Every "<stage>/<hex>" pair of the path, deepest first; the first with its own manifest is the
     # artifact (a checkpoint's tokenizer/tokenizer.json is no tokenizer artifact: not hex, no manifest).
-    candidates = []
-    for i in range(len(parts) - 2, -1, -1):
-        stage, fp = parts[i], parts[i + 1]
-        if stage in stages and _HEX.match(fp):
-            candidates.append((ArtifactStore(prefix + "/".join(parts[:i])), stage, fp))
+    candidates = [(ArtifactStore(root), stage, fp) for root, stage, fp in _addresses(path)
+                  if stage in stages and _HEX.match(fp)]
     for store, stage, fp in candidates:
         if store.manifest(stage, fp) is not None:
             return store, stage, fp

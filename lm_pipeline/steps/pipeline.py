@@ -57,25 +57,18 @@ Writer = Callable[[str], tuple[dict[str, Any], dict[str, Any]]]
 
 
 def _staged(write: Writer, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``write`` into a local directory that is then uploaded to ``path`` (an object store)."""
+    """``write`` into a local directory: ``path`` itself, or one uploaded to ``path`` (an object
+    store) after removing what an interrupted attempt uploaded there (no manifest: never complete)."""
     import json
-    import shutil
-    import tempfile
 
     from lm_pipeline import fs
 
-    if fs.is_local(path):
-        return write(path)
-    staging = tempfile.mkdtemp(prefix="lm-pipeline-stage-")
-    try:
-        summary, extra = write(staging)
-        fs.rmtree(path)  # what an interrupted attempt uploaded (no manifest: never complete)
-        fs.upload_tree(staging, path)
-        text = json.dumps([summary, extra], default=str).replace(json.dumps(staging)[1:-1], path)
+    with fs.staged(path, clear=True) as local:
+        summary, extra = write(local)
+    if local != path:  # name the artifact's address, not the staging directory
+        text = json.dumps([summary, extra], default=str).replace(json.dumps(local)[1:-1], path)
         summary, extra = json.loads(text)
-        return summary, extra
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    return summary, extra
 
 
 class _Memo:
@@ -233,23 +226,11 @@ class Pipeline:
         """(config field, one-line problem) for each object-store location that cannot be used
         from here: unknown scheme, filesystem package missing, bucket missing, credentials
         missing or refused. One listing per bucket; local paths are not checked here."""
-        from lm_pipeline.fs import access_problem, is_local, url_problem
+        from lm_pipeline.fs import access_problems
 
-        seen: dict[str, str | None] = {}
-        out = []
-        for where, url in self.url_locations():
-            if is_local(url) or "://" not in url:
-                continue
-            problem = url_problem(url)
-            if problem is None:
-                scheme, rest = url.split("://", 1)
-                bucket = f"{scheme}://{rest.split('/', 1)[0]}"
-                if bucket not in seen:
-                    seen[bucket] = access_problem(bucket)
-                problem = seen[bucket] and seen[bucket].replace(bucket, url, 1)
-            if problem:
-                out.append((where, problem))
-        return out
+        locations = self.url_locations()
+        problems = access_problems(url for _, url in locations)
+        return [(where, problems[url]) for where, url in locations if url in problems]
 
     @property
     def builtin_root(self) -> str:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lm_pipeline.fingerprint import semantic_view, sha256_file
+from lm_pipeline import fs
+from lm_pipeline.fingerprint import semantic_view
 from lm_pipeline.steps import builders
 
 if TYPE_CHECKING:
@@ -73,26 +73,11 @@ def _raw_shards_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
 
 def _local_tokenizer(pipe: Pipeline) -> str | None:
     """The ``tokenizer.json`` of a tokenizer directory (local or a URL), if the config names one."""
-    from lm_pipeline import fs
-
     tok = pipe.cfg.data.tokenizer
     if tok.kind == "bpe" or not tok.name_or_path:
         return None
-    if fs.is_local(tok.name_or_path):
-        local = Path(tok.name_or_path).expanduser() / "tokenizer.json"
-        return str(local) if local.is_file() else None
-    url = fs.join(tok.name_or_path, "tokenizer.json")
-    return url if fs.exists(url) else None
-
-
-def _sha256_any(path: str) -> str:
-    import hashlib
-
-    from lm_pipeline import fs
-
-    if fs.is_local(path):
-        return sha256_file(path)
-    return hashlib.sha256(fs.read_bytes(path) or b"").hexdigest()
+    path = fs.join(tok.name_or_path, "tokenizer.json")  # a hub id names no such file here
+    return path if fs.exists(path) else None
 
 
 def _tokenizer_config(pipe: Pipeline) -> Any:
@@ -112,7 +97,7 @@ def _tokenizer_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
     if tok.kind == "bpe":
         return {}
     local = _local_tokenizer(pipe)
-    return {"tokenizer.json": _sha256_any(local)} if local else {"hub": f"{tok.name_or_path}@{tok.revision}"}
+    return {"tokenizer.json": fs.sha256_of(local)} if local else {"hub": f"{tok.name_or_path}@{tok.revision}"}
 
 
 def _train_config(pipe: Pipeline) -> Any:
