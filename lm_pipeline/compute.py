@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
+LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ATTENTION_ENV = "LM_PIPELINE_ATTENTION"
 ATTENTION_CHOICES = ("auto", "xla", "cudnn", "native", "blocked")
 
@@ -113,10 +114,15 @@ class ComputePlan:
 
             if q.dtype == F32 and k.dtype == F32 and v.dtype == F32:
                 return native_attention.native_causal_attention(q, k, v, scale)
+            if q.dtype in LOW_PRECISION and k.dtype == q.dtype and v.dtype == q.dtype:
+                # bf16/f16 inputs: the kernel computes in float32 (as XLA:CPU's own attention
+                # does inside its fusions); the output returns in the inputs' dtype.
+                out = native_attention.native_causal_attention(q.astype(F32), k.astype(F32), v.astype(F32), scale)
+                return out.astype(q.dtype)
             if self.strict_attention:
                 raise ValueError(
-                    f"{ATTENTION_ENV}=native: the native kernel takes float32 inputs; got q {q.dtype}, "
-                    f"k {k.dtype}, v {v.dtype}"
+                    f"{ATTENTION_ENV}=native: the native kernel takes float32, bfloat16 or float16 inputs of "
+                    f"one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}"
                 )
         if self.attention in ("cpu_native", "cpu_blocked"):
             from lm_pipeline.kernels.cpu import blocked_attention
@@ -190,7 +196,7 @@ def plan_for(
     if platform == "cpu":
         return ComputePlan(
             platform="cpu",
-            attention=_cpu_attention(choice, f32, num_devices),
+            attention=_cpu_attention(choice, num_devices),
             strict_attention=choice == "native",
             matmul="cpu",
             loss="logits" if loss_scaling else "cpu_fused_head",
@@ -213,22 +219,23 @@ def plan_for(
     )
 
 
-def _cpu_attention(choice: str, f32: bool, num_devices: int) -> AttentionKind:
-    """The native kernel takes plain causal f32 attention on one device (the SPMD partitioner
-    cannot shard its opaque custom call); the blocked path takes the rest."""
+def _cpu_attention(choice: str, num_devices: int) -> AttentionKind:
+    """The native kernel takes plain causal attention on one device (the SPMD partitioner cannot
+    shard its opaque custom call), computing in float32 whatever the compute dtype; the blocked
+    path takes the rest."""
     from lm_pipeline.kernels.cpu import native_attention
 
     if choice == "xla":
         return "xla"
     if choice == "native":
-        if not f32 or num_devices != 1:
+        if num_devices != 1:
             raise ValueError(
-                f"{ATTENTION_ENV}=native: the native kernel takes float32 causal self-attention on a single "
-                f"CPU device; got {'float32' if f32 else 'a low-precision dtype'} on {num_devices} devices"
+                f"{ATTENTION_ENV}=native: the native kernel takes causal self-attention on a single CPU device; "
+                f"got {num_devices} devices"
             )
         native_attention.load()  # raises NativeAttentionUnavailable with the reason
         return "cpu_native"
-    if choice == "auto" and f32 and num_devices == 1 and native_attention.available():
+    if choice == "auto" and num_devices == 1 and native_attention.available():
         return "cpu_native"
     return "cpu_blocked"
 

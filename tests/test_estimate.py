@@ -169,9 +169,13 @@ def test_total_is_within_20_percent_of_xla(base, mp, remat):
     assert math.isclose(e.total, measured, rel_tol=0.2), (e.total, measured, e.render())
 
 
-def test_unrolled_bf16_stack_with_blocked_attention_is_within_20_percent_of_xla():
-    """T = 128 splits attention into two query blocks on CPU; the unrolled bf16 stack then keeps
-    its saved tensors in f32 (counted as bf16 this was 17% low)."""
+@pytest.mark.parametrize("attention", ["blocked", "auto"])
+def test_unrolled_bf16_stack_is_within_20_percent_of_xla(attention, monkeypatch):
+    """T = 128 splits attention into two query blocks on CPU; with the blocked attention the
+    unrolled bf16 stack then keeps its saved tensors in f32 (counted as bf16 this was 17% low);
+    with the native kernel (``auto``, computing in f32) they stay bf16 (counted as f32 it was 31%
+    high)."""
+    monkeypatch.setenv("LM_PIPELINE_ATTENTION", attention)
     cfg = cfg_of(GPT2, model__seq_len=128, model__gradient_checkpointing=False, trainer__mp="p=f32,c=bf16",
                  trainer__train_batch_size=8)
     measured = xla_peak(cfg, VOCAB)

@@ -147,31 +147,37 @@ def test_traced_scale_gets_no_gradient_and_vmap_runs_per_example():
     np.testing.assert_allclose(batched, native_causal_attention(q, k, v, 0.5), atol=1e-6)
 
 
-def test_attention_takes_the_native_kernel_on_cpu_float32_only():
+def test_attention_takes_the_native_kernel_on_one_cpu_device_in_every_dtype():
     q, k, v, _ = _inputs(2, 64, 4, 2, 16)
     plan = plan_for("cpu", jnp.float32, num_devices=1)
     assert plan.attention == "cpu_native"
+    assert plan_for("cpu", jnp.bfloat16, num_devices=1).attention == "cpu_native"
 
     def lowered(fn, *args):
         return jax.jit(fn).lower(*args).as_text()
 
     plain = lowered(lambda q, k, v: attention(q, k, v, None, scale=0.25, causal=True, plan=plan), q, k, v)
     assert "lm_pipeline_causal_attention_fwd" in plain
-    # a packing mask, bf16 inputs, several devices or LM_PIPELINE_ATTENTION=blocked/xla keep XLA ops
+    # bf16 inputs: the kernel computes in f32 and returns bf16, the values of XLA's f32 attention
+    low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    bf16 = lowered(lambda q, k, v: attention(q, k, v, None, scale=0.25, plan=plan), *low)
+    assert "lm_pipeline_causal_attention_fwd" in bf16
+    out = jax.jit(lambda q, k, v: attention(q, k, v, None, scale=0.25, plan=plan))(*low)
+    in_f32 = native_causal_attention(*(x.astype(jnp.float32) for x in low), 0.25)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(in_f32.astype(jnp.bfloat16), np.float32))
+    # a packing mask, several devices or LM_PIPELINE_ATTENTION=blocked/xla keep XLA ops
     mask = segment_mask(jnp.ones((2, 64), jnp.int32))
     masked = lowered(lambda q, k, v: attention(q, k, v, mask, scale=0.25, causal=True, plan=plan), q, k, v)
-    bf16 = lowered(lambda q, k, v: attention(q, k, v, None, scale=0.25, plan=plan),
-                   *(x.astype(jnp.bfloat16) for x in (q, k, v)))
     others = [
         lowered(lambda q, k, v, p=p: attention(q, k, v, None, scale=0.25, plan=p), q, k, v)
         for p in (plan_for("cpu", jnp.float32, num_devices=2), plan_for("cpu", jnp.float32, attention="blocked"),
                   plan_for("cpu", jnp.float32, attention="xla"))
     ]
-    for text in (masked, bf16, *others):
+    for text in (masked, *others):
         assert "lm_pipeline_causal_attention" not in text
-    strict = plan_for("cpu", jnp.float32, attention="native")
-    with pytest.raises(ValueError, match="takes float32 inputs"):
-        attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), None, scale=0.25, plan=strict)
+    with pytest.raises(ValueError, match="single CPU device"):
+        plan_for("cpu", jnp.float32, num_devices=2, attention="native")
 
 
 def test_remat_policy_keeps_the_kernels_output_and_lse():

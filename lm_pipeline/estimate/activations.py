@@ -150,9 +150,10 @@ def activations(model_cfg: LmConfig, vocab: int, batch: int, compute_dtype: str,
     # On XLA:CPU, bf16 tensors saved into a scan's stacked buffers go through f32; those of an
     # unrolled stack (``scan_blocks`` unrolls short low-precision stacks without checkpointing)
     # or recomputed inside one layer stay bf16, except attention's -- as long as attention
-    # takes XLA's path (one query block); with the blocked attention they measured f32 too.
+    # takes the native kernel (its f32 inputs and residuals are counted as they are) or XLA's
+    # path (one query block); with the blocked attention they measured f32 too.
     unrolled = (on_cpu and not remat and plan.remat_policy() is None and plan.unroll(layers)
-                and num_query_blocks(model_cfg.seq_len) == 1)
+                and (plan.attention == "cpu_native" or num_query_blocks(model_cfg.seq_len) == 1))
 
     def saved(num_layers: int, remat_: bool, only_attention: bool, p: ComputePlan) -> _Saved:
         c = dataclasses.replace(cfg, num_layers=num_layers, gradient_checkpointing=remat_)

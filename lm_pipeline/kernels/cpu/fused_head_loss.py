@@ -55,8 +55,8 @@ def _head_xent_chunks(hidden, head, targets, mask, bounds, *, grads: bool):
         if t0 > 0:  # chunks in order, one at a time: the next starts when this one's results exist
             h, total, d_head_t, d_hidden = jax.lax.optimization_barrier((h, total, d_head_t, d_hidden))
         tgt, m = targets[:, t0:t1], mask[:, t0:t1]
-        logits = jnp.einsum("btd,vd->btv", h, head)  # [B, t, V] in the compute dtype
-        lf = logits.astype(f32)
+        # f32 logits from compute-dtype operands (bf16 x bf16 -> f32: YNNPACK's bf16 kernels)
+        lf = jnp.einsum("btd,vd->btv", h, head, preferred_element_type=f32)
         mx = jnp.max(lf, axis=-1)
         mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
         e = jnp.exp(lf - mx[..., None])
@@ -65,8 +65,8 @@ def _head_xent_chunks(hidden, head, targets, mask, bounds, *, grads: bool):
         total = total + jnp.sum((mx + jnp.log(z) - picked) * m)
         if grads:
             onehot = jnp.arange(head.shape[0], dtype=tgt.dtype) == tgt[..., None]
-            dl = ((e / z[..., None] - onehot.astype(f32)) * m[..., None]).astype(logits.dtype)
-            d_hidden.append(jnp.einsum("btv,vd->btd", dl, head))
+            dl = ((e / z[..., None] - onehot.astype(f32)) * m[..., None]).astype(h.dtype)
+            d_hidden.append(jnp.einsum("btv,vd->btd", dl, head, preferred_element_type=f32).astype(h.dtype))
             part = xt_g(h.reshape(-1, h.shape[-1]), dl.reshape(-1, dl.shape[-1])).astype(f32)  # [D, V]
             d_head_t = part if d_head_t is None else d_head_t + part
     if not grads:

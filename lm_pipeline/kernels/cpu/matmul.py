@@ -22,10 +22,21 @@ DENSE_OUT = "dense_out"
 (a custom VJP is not a ``dot_general``, which ``dots_saveable`` would recognise)."""
 
 
+def _accumulation(*xs: jax.Array):
+    """float32 results for bf16/f16 operands: XLA:CPU hands a bf16 x bf16 -> f32 product to
+    YNNPACK's bf16 kernels (AVX512-BF16 / AMX where the CPU has them), while a bf16 result takes a
+    slower path; the sum is also rounded once, at the end, instead of in bf16."""
+    return jnp.float32 if any(x.dtype in (jnp.bfloat16, jnp.float16) for x in xs) else None
+
+
+def _einsum(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    return jnp.einsum(spec, a, b, preferred_element_type=_accumulation(a, b)).astype(dtype)
+
+
 @jax.custom_vjp
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x [..., K] @ w [K, N] -> [..., N]``; the weight gradient goes through :func:`xt_g`."""
-    return jnp.einsum("...k,kn->...n", x, w)
+    return _einsum("...k,kn->...n", x, w, jnp.result_type(x, w))
 
 
 def _matmul_fwd(x, w):
@@ -34,9 +45,9 @@ def _matmul_fwd(x, w):
 
 def _matmul_bwd(res, g):
     x, w = res
-    dx = jnp.einsum("...n,kn->...k", g, w)
+    dx = _einsum("...n,kn->...k", g, w, x.dtype)
     dw = xt_g(x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]))
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    return dx, dw.astype(w.dtype)
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -49,9 +60,10 @@ def xt_g(x: jax.Array, g: jax.Array) -> jax.Array:
     barrier keeps XLA from folding the transpose back into the dot); the smaller one because
     XLA:CPU's transpose is a slow single-threaded loop.
     """
+    acc = _accumulation(x, g)
     if x.shape[1] <= g.shape[1]:
-        return jax.lax.optimization_barrier(x.T) @ g
-    return (jax.lax.optimization_barrier(g.T) @ x).T
+        return jnp.matmul(jax.lax.optimization_barrier(x.T), g, preferred_element_type=acc)
+    return jnp.matmul(jax.lax.optimization_barrier(g.T), x, preferred_element_type=acc).T
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
