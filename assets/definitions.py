@@ -7,6 +7,8 @@ location loads: add a file and reload to see it. See :mod:`assets.experiment` an
 :mod:`assets.deployment`.
 """
 
+from assets import console
 from assets.pipeline import build_definitions
 
+console.install()  # a step failing on purpose prints its one-line reason, not a stack trace
 defs = build_definitions()

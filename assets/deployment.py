@@ -1,21 +1,24 @@
-"""The deployment's asset graph: every experiment's stages, with the stages they share merged.
+"""The deployment's asset graph: every experiment's stages, each experiment with its own keys.
 
-Each experiment contributes the six stages of the table (:data:`lm_pipeline.steps.STAGES`) and
-a data source. Two experiments *share* a stage when it has the same config version (a hash of the
-stage's semantic config and code version and of every stage before it; see
-:meth:`lm_pipeline.steps.Pipeline.config_version`) over the same store: then they read the same
-data, build the same artifact, and the deployment has one asset for it. Asset keys:
+Each experiment contributes the six stages of the table (:data:`lm_pipeline.steps.STAGES`), its
+data source and its per-checkpoint evaluation. Asset keys depend on the experiment's name only,
+never on what other experiments do:
 
-* ``<experiment>/<stage>`` -- a stage of one experiment only (``llama/train_ckpt``);
-* ``shared/<stage>`` -- a stage several experiments share (``shared/tokenizer``); if
-  experiments share that stage in two different ways (two data sets, each used by several),
-  ``shared/<stage>_<experiment>_<experiment>...`` names each group by its experiments;
-* ``<prefix>/data_sources`` -- the observable source data under a ``raw_shards`` (same prefix);
-* ``<experiment>/checkpoint_eval`` -- the per-checkpoint evaluations of one experiment;
+* the deployment's *default* experiment (:attr:`Deployment.default`: the one named ``default``,
+  or the one file of ``$LM_PIPELINE_EXPERIMENT``) keeps the bare stage names: ``train_ckpt``,
+  ``tokenizer``, ``data_sources``, ``checkpoint_eval`` -- so ``--select train_ckpt`` acts on it;
+* every other experiment's are ``<experiment>/<stage>`` (``llama/train_ckpt``,
+  ``llama/data_sources``, ``llama/checkpoint_eval``);
 * ``experiments/comparison`` -- every experiment's evaluation side by side.
 
-Keys follow sharing: when an edit makes a shared stage differ between its experiments, each gets
-its own ``<experiment>/<stage>`` (a new asset; the artifacts stay in the store, content-addressed).
+Sharing is the content address, not the graph. Two experiments *share* a stage when it has the
+same config version (a hash of the stage's semantic config and code version and of every stage
+before it; see :meth:`lm_pipeline.steps.Pipeline.config_version`) over the same store: both
+assets name the same artifact, so whichever materializes second is a recorded cache hit with the
+same data version (the fingerprint), and each asset says whom it shares with
+(:meth:`Deployment.shared_with`, its ``shared_with`` metadata). Editing one experiment therefore
+changes that experiment's code versions only: exactly its own stages downstream of the edit turn
+stale, and no key, dependency or status of another experiment changes.
 """
 
 from __future__ import annotations
@@ -26,91 +29,84 @@ from typing import Any
 
 import dagster as dg
 
-from assets.experiment import Experiment
+from assets.experiment import DEFAULT_NAME, Experiment
 
-SHARED = "shared"
 SOURCE = "data_sources"
+CHECKPOINT_EVAL = "checkpoint_eval"
 COMPARISON_KEY = dg.AssetKey(["experiments", "comparison"])
 COMPARISON_GROUP = "experiments"
 
 
 @dataclass
 class Node:
-    """One asset of the graph: a stage address used by one or more experiments."""
+    """One stage asset: a stage of one experiment."""
 
     stage: str
     key: dg.AssetKey
     version: str  # the stage's config version (the asset's code_version)
-    experiments: list[Experiment]  # those using it, sorted by name; experiments[0] builds it
+    experiment: Experiment
+    shared_with: list[str] = field(default_factory=list)  # other experiments with the same address now
     deps: list[dg.AssetKey] = field(default_factory=list)  # upstream stage assets (+ the data source)
 
     @property
     def owner(self) -> Experiment:
-        return self.experiments[0]
+        return self.experiment
 
     @property
-    def shared(self) -> bool:
-        return len(self.experiments) > 1
+    def name(self) -> str:
+        return self.experiment.name
 
     @property
     def group(self) -> str:
-        return SHARED if self.shared else self.owner.name
-
-    @property
-    def names(self) -> list[str]:
-        return [e.name for e in self.experiments]
+        return self.experiment.name
 
 
 class Deployment:
-    """The merged asset graph of ``experiments`` (see the module docstring)."""
+    """The asset graph of ``experiments`` (see the module docstring). ``default``: the experiment
+    whose keys are the bare stage names (None: the one named ``default``, if any)."""
 
-    def __init__(self, experiments: Sequence[Experiment]):
+    def __init__(self, experiments: Sequence[Experiment], default: str | None = None):
         if not experiments:
             raise ValueError("a deployment needs at least one experiment")
         names = [e.name for e in experiments]
         if len(set(names)) != len(names):
             raise ValueError(f"experiment names must be distinct, got {names}")
         self.experiments: dict[str, Experiment] = {e.name: e for e in sorted(experiments, key=lambda e: e.name)}
+        if default is not None and default not in self.experiments:
+            raise ValueError(f"default experiment {default!r} is not one of {', '.join(self.experiments)}")
+        self.default: str | None = default if default is not None else (
+            DEFAULT_NAME if DEFAULT_NAME in self.experiments else None)
         self.stages: list[str] = list(next(iter(self.experiments.values())).pipeline().stages)
-        self._by_address: dict[tuple[str, str, str], Node] = {}
-        self._of: dict[tuple[str, str], Node] = {}
-        self.sources: dict[dg.AssetKey, Node] = {}  # data_sources key -> its raw_shards node
-        groups: dict[tuple[str, str, str], list[Experiment]] = {}
+        addresses: dict[tuple[str, str, str], list[str]] = {}
         for exp in self.experiments.values():
             pipe = exp.pipeline()
             for stage in self.stages:
-                groups.setdefault((exp.store_root, stage, pipe.config_version(stage)), []).append(exp)
-        shared_per_stage: dict[str, int] = {}
-        for (_, stage, _), exps in groups.items():
-            if len(exps) > 1:
-                shared_per_stage[stage] = shared_per_stage.get(stage, 0) + 1
-        for (root, stage, version), exps in groups.items():
-            if len(exps) == 1:
-                key = dg.AssetKey([exps[0].name, stage])
-            elif shared_per_stage[stage] == 1:
-                key = dg.AssetKey([SHARED, stage])
-            else:
-                key = dg.AssetKey([SHARED, "_".join([stage, *(e.name for e in exps)])])
-            node = Node(stage, key, version, exps)
-            self._by_address[(root, stage, version)] = node
-            for e in exps:
-                self._of[(e.name, stage)] = node
-        for node in self.nodes():
-            pipe = node.owner.pipeline()
-            node.deps = [self.key(node.owner.name, up) for up in pipe.stage(node.stage).upstream]
-        # Every address covers the data's content, so each stage depends on its data source directly
-        # (Dagster does not carry a dependency's staleness further down by itself).
-        for node in self.nodes():
-            src = self.source_key(node.owner.name)
-            if src not in node.deps:
-                node.deps.append(src)
-            if node.stage == "raw_shards":
-                self.sources[src] = node
+                addresses.setdefault((exp.store_root, stage, pipe.config_version(stage)), []).append(exp.name)
+        self._of: dict[tuple[str, str], Node] = {}
+        self.sources: dict[dg.AssetKey, Node] = {}  # data_sources key -> its experiment's raw_shards node
+        for exp in self.experiments.values():
+            pipe = exp.pipeline()
+            for stage in self.stages:
+                version = pipe.config_version(stage)
+                others = [n for n in addresses[(exp.store_root, stage, version)] if n != exp.name]
+                node = Node(stage, self.key(exp.name, stage), version, exp, others)
+                # Every address covers the data's content, so each stage depends on its data source
+                # directly (Dagster does not carry a dependency's staleness further down by itself).
+                node.deps = [*(self.key(exp.name, up) for up in pipe.stage(stage).upstream), self.source_key(exp.name)]
+                self._of[(exp.name, stage)] = node
+                if stage == "raw_shards":
+                    self.sources[self.source_key(exp.name)] = node
+
+    def prefix(self, experiment: str) -> list[str]:
+        """The key prefix of ``experiment``'s assets: none for the default experiment."""
+        if experiment not in self.experiments:
+            raise KeyError(f"no experiment {experiment!r}; experiments: {', '.join(self.experiments)}")
+        return [] if experiment == self.default else [experiment]
 
     def nodes(self) -> list[Node]:
-        """Every stage asset, in stage order, then by key."""
+        """Every stage asset, in stage order, then by experiment."""
         order = {s: i for i, s in enumerate(self.stages)}
-        return sorted(self._by_address.values(), key=lambda n: (order[n.stage], n.key.to_user_string()))
+        return sorted(self._of.values(), key=lambda n: (order[n.stage], n.name))
 
     def node(self, experiment: str, stage: str) -> Node:
         try:
@@ -120,23 +116,24 @@ class Deployment:
                            f"{', '.join(self.experiments)}") from None
 
     def key(self, experiment: str, stage: str) -> dg.AssetKey:
-        """The asset key of ``stage`` of ``experiment`` (shared or its own)."""
-        return self.node(experiment, stage).key
+        """The asset key of ``stage`` of ``experiment``: ``<experiment>/<stage>``, or ``<stage>``
+        for the default experiment."""
+        return dg.AssetKey([*self.prefix(experiment), stage])
 
     def source_key(self, experiment: str) -> dg.AssetKey:
         """The observable data source under the experiment's ``raw_shards``."""
-        raw = self.key(experiment, "raw_shards")
-        return dg.AssetKey([*raw.path[:-1], SOURCE + raw.path[-1].removeprefix("raw_shards")])
+        return self.key(experiment, SOURCE)
 
     def checkpoint_eval_key(self, experiment: str) -> dg.AssetKey:
-        return dg.AssetKey([experiment, "checkpoint_eval"])
+        return self.key(experiment, CHECKPOINT_EVAL)
+
+    def shared_with(self, experiment: str, stage: str) -> list[str]:
+        """The other experiments whose ``stage`` is the same artifact (same address) as ``experiment``'s."""
+        return list(self.node(experiment, stage).shared_with)
 
     def train_keys(self) -> dict[dg.AssetKey, list[str]]:
-        """Each training asset and the experiments that train through it."""
-        out: dict[dg.AssetKey, list[str]] = {}
-        for name in self.experiments:
-            out.setdefault(self.key(name, "train_ckpt"), []).append(name)
-        return out
+        """Each training asset and the experiment that trains through it."""
+        return {self.key(name, "train_ckpt"): [name] for name in self.experiments}
 
     def describe(self) -> dict[str, Any]:
         """Which asset each experiment's stages are (for docs, logs and tests)."""

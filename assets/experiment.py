@@ -4,7 +4,10 @@
   experiment, named by its file name (``llama.yaml`` -> ``llama``). Adding a file and reloading the
   code location (the UI's "Reload", or a new ``dagster`` command) shows it.
 * ``LM_PIPELINE_EXPERIMENT``: the path of one experiment YAML: only that one is loaded (handy for a
-  one-off run of a config that lives elsewhere).
+  one-off run of a config that lives elsewhere), as the deployment's default experiment.
+* The *default* experiment (:func:`default_experiment`: ``default.yaml``, or the one file of
+  ``LM_PIPELINE_EXPERIMENT``) has the bare stage names as asset keys (``train_ckpt``); every other
+  experiment's keys are prefixed with its name (``llama/train_ckpt``).
 * ``LM_PIPELINE_OVERRIDES``: field overrides applied to every loaded experiment,
   whitespace-separated ``section.field=value`` (values parsed as YAML; quote as in a shell),
   e.g. ``"model.num_layers=2 optimizer.learning_rate=1e-3"``.
@@ -28,6 +31,8 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS_DIR = REPO_ROOT / "configs" / "experiments"
 DEFAULT_EXPERIMENT = EXPERIMENTS_DIR / "default.yaml"
+#: The deployment's default experiment (its asset keys are the bare stage names: ``train_ckpt``).
+DEFAULT_NAME = "default"
 EXPERIMENT_ENV = "LM_PIPELINE_EXPERIMENT"
 EXPERIMENTS_DIR_ENV = "LM_PIPELINE_EXPERIMENTS_DIR"
 _NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
@@ -124,7 +129,19 @@ def experiment_name(path: str | os.PathLike) -> str:
 
 
 #: Key prefixes the deployment uses itself (see :mod:`assets.deployment`).
-RESERVED_NAMES = frozenset({"shared", "experiments"})
+RESERVED_NAMES = frozenset({"experiments"})
+
+
+def default_experiment(experiments: Sequence[Experiment], env: Mapping[str, str] | None = None) -> str | None:
+    """The name of the deployment's default experiment, whose asset keys are the bare stage names
+    (``dagster asset materialize --select train_ckpt``): the one file of ``$LM_PIPELINE_EXPERIMENT``
+    when that is set, else the experiment named ``default`` (``configs/experiments/default.yaml``),
+    else none. It depends on no other experiment: adding or editing one never renames another's assets."""
+    env = os.environ if env is None else env
+    names = [e.name for e in experiments]
+    if (env.get(EXPERIMENT_ENV) or "").strip() and len(names) == 1:
+        return names[0]
+    return DEFAULT_NAME if DEFAULT_NAME in names else None
 
 
 def default_experiments_dir() -> Path:

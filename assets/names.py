@@ -10,6 +10,9 @@ from lm_pipeline.steps import STAGE_NAMES
 #: The stages of every experiment's lineage, in order.
 LINEAGE = STAGE_NAMES
 
+#: The command that runs Dagster on this code location with a persistent instance (assets/__main__.py).
+ASSETS_COMMAND = "python -m assets"
+
 PIPELINE_JOB = "pipeline"
 COMPARE_JOB = "compare_experiments"
 OBSERVE_JOB = "observe_data_sources"

@@ -4,11 +4,13 @@ Each experiment (a file of ``configs/experiments/``) has the lineage::
 
     data_sources -> raw_shards -> tokenizer -> token_cache -> train_ckpt -> eval_report, hf_export
 
-and stages that experiments share are one asset (``shared/<stage>``; keys and sharing:
+with keys ``<experiment>/<stage>``, bare ``<stage>`` for the default experiment; stages that
+experiments share are the same artifact in the store, built once (keys and sharing:
 :mod:`assets.deployment`). Besides: ``<experiment>/checkpoint_eval`` (one dynamic partition per
 training checkpoint, requested by ``new_checkpoint_sensor`` and re-run by the
-``reevaluate_<experiment>`` schedules) and ``experiments/comparison`` (every experiment's
-evaluation side by side, refreshed by ``comparison_sensor`` when an evaluation lands).
+``reevaluate_<experiment>`` schedules), ``experiments/comparison`` (every experiment's
+evaluation side by side, refreshed by ``comparison_sensor`` when an evaluation lands), and the
+asset checks of each artifact (:mod:`assets.checks`).
 
 :func:`build_definitions` assembles the Definitions (assets, jobs, sensors and schedules,
 resources, executor) from the modules of the layer, one concern each:
@@ -21,6 +23,8 @@ resources, executor) from the modules of the layer, one concern each:
 * :mod:`assets.checkpoints` -- checkpoint partitions and ``checkpoint_eval``;
 * :mod:`assets.automation` -- sensors and schedules;
 * :mod:`assets.comparison` -- the comparison of the experiments;
+* :mod:`assets.checks` -- the asset checks (token ids, counts, losses, the export's logits);
+* :mod:`assets.console` -- a deliberate failure printed as its one line on the console;
 * :mod:`assets.names` -- job, pool and tag names; :mod:`assets.dead_runs` -- pool slots of dead runs.
 
 The names tests and tools use are importable from here too (``__all__``).
@@ -38,9 +42,10 @@ from assets.checkpoints import (
     checkpoints_partitions,
     parse_checkpoint_key,
 )
+from assets.checks import asset_checks
 from assets.comparison import comparison_asset
 from assets.deployment import COMPARISON_KEY, Deployment
-from assets.experiment import Experiment, load_experiments
+from assets.experiment import Experiment, default_experiment, load_experiments
 from assets.names import (
     CHECKPOINT_TAG,
     COMPARE_JOB,
@@ -70,10 +75,11 @@ __all__ = [
 ]
 
 
-def build_assets(dep: Deployment) -> list:
-    """The assets of the deployment: the data sources, one asset per stage node (shared ones
-    once), each experiment's ``checkpoint_eval`` and the comparison."""
-    return [*stage_assets(dep), *(checkpoint_eval_asset(dep, name) for name in dep.experiments), comparison_asset(dep)]
+def build_assets(dep: Deployment, *, checks: bool = True) -> list:
+    """The assets of the deployment: the data sources, every experiment's stages, its
+    ``checkpoint_eval`` and the comparison; with ``checks``, the asset checks of each artifact."""
+    return [*stage_assets(dep), *(checkpoint_eval_asset(dep, name) for name in dep.experiments), comparison_asset(dep),
+            *(asset_checks(dep) if checks else [])]
 
 
 def default_resources(exp: Experiment | Deployment) -> dict[str, Any]:
@@ -95,7 +101,7 @@ def default_executor(preload: tuple[str, ...] = ("assets._preload", "assets.defi
 
 
 def lineage_selection(dep: Deployment, experiments: Sequence[str] | None = None) -> list[dg.AssetKey]:
-    """The data sources and lineage assets of ``experiments`` (default: all), shared ones once."""
+    """The data sources and lineage assets of ``experiments`` (default: all)."""
     names = list(experiments) if experiments is not None else list(dep.experiments)
     keys: list[dg.AssetKey] = []
     for name in names:
@@ -105,23 +111,28 @@ def lineage_selection(dep: Deployment, experiments: Sequence[str] | None = None)
     return keys
 
 
-def build_definitions(experiments: Sequence[Experiment] | Experiment | None = None, *,
+def build_definitions(experiments: Sequence[Experiment] | Experiment | None = None, *, default: str | None = None,
                       resources: Mapping[str, Any] | None = None, executor: Any = "default") -> dg.Definitions:
     """The Definitions of the deployment: every experiment (default: those of
-    :func:`assets.experiment.load_experiments`), one store shared by them."""
+    :func:`assets.experiment.load_experiments`), one store shared by them. ``default``: the
+    experiment with bare keys (else :func:`assets.experiment.default_experiment`; one
+    :class:`Experiment` given alone is the default)."""
     if isinstance(experiments, Experiment):
+        default = default or experiments.name
         experiments = [experiments]
     exps = list(experiments) if experiments is not None else load_experiments()
+    if default is None and experiments is None:
+        default = default_experiment(exps)
     roots = {e.store_root for e in exps}
     if len(roots) > 1:
         raise ValueError(f"the experiments of one deployment share one store; got roots {sorted(roots)} "
                          f"(set store.root alike in {', '.join(e.path for e in exps)})")
-    dep = Deployment(exps)
+    dep = Deployment(exps, default=default)
     assets = build_assets(dep)
     pipeline_job = dg.define_asset_job(
         PIPELINE_JOB, selection=dg.AssetSelection.assets(*lineage_selection(dep), COMPARISON_KEY),
-        description="Observe the data, materialize every experiment's six lineage assets (shared ones once) "
-                    "and compare the experiments.")
+        description="Observe the data, materialize every experiment's six lineage assets (an artifact "
+                    "experiments share is built once, a cache hit for the others) and compare the experiments.")
     per_experiment = [dg.define_asset_job(experiment_job_name(n), selection=dg.AssetSelection.assets(*lineage_selection(dep, [n])),
                                           description=f"Observe the data and materialize the lineage of {n}.")
                       for n in dep.experiments]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +20,7 @@ import dagster as dg
 
 from assets.deployment import Deployment, Node
 from assets.metadata import plain_json
-from assets.names import experiment_job_name
+from assets.names import ASSETS_COMMAND
 
 
 def source_version(pipe) -> tuple[str, dict[str, Any]]:
@@ -39,6 +40,17 @@ def _latest_version(instance: dg.DagsterInstance, key: dg.AssetKey) -> str | Non
     return (event.tags or {}).get("dagster/data_version") if event is not None else None
 
 
+def what_to_run(missing: dg.AssetKey, me: dg.AssetKey) -> str:
+    """What to run first when asset ``me`` finds its input ``missing`` not materialized (one line)."""
+    what, mine = missing.to_user_string(), me.to_user_string()
+    line = (f"materialize {what} first, e.g. `{ASSETS_COMMAND} materialize` (every experiment; what is built already "
+            f"is a cache hit) or --select '*{mine}' ({mine} and everything upstream)")
+    if not os.environ.get("DAGSTER_HOME"):
+        line += ("; DAGSTER_HOME is not set, so this command keeps no record between runs: export "
+                 f"DAGSTER_HOME=$PWD/.dagster_home (where `{ASSETS_COMMAND}` keeps it)")
+    return line
+
+
 def verify_inputs(context, dep: Deployment, node: Node, pipe, *, record: bool = True) -> dict[str, str]:
     """Make what Dagster records about this asset's inputs true before it builds (see the module
     docstring); an upstream artifact complete in the store but not recorded by Dagster (built
@@ -52,25 +64,25 @@ def verify_inputs(context, dep: Deployment, node: Node, pipe, *, record: bool = 
                                               metadata={"shards": len(shards), "observed_by": "stage " + node.stage}))
     used: dict[str, str] = {}
     for up in pipe.stage(node.stage).upstream:
-        key = dep.key(node.owner.name, up)
+        key = dep.key(node.name, up)
         want = pipe.address(up).fingerprint
         used[up] = want
         if _latest_version(instance, key) == want:
             continue
-        what, me = key.to_user_string(), node.key.to_user_string()
         state = ("complete in the store (a cache hit) but not recorded by Dagster" if pipe.cached(up) is not None
                  else "not built")
-        raise dg.Failure(f"{me} reads {up} {want}, which is {state}: materialize {what} first (e.g. --select "
-                         f"'*{me}' for it and everything upstream, or the '{experiment_job_name(node.owner.name)}' "
-                         "job)", allow_retries=False)
+        raise dg.Failure(f"{node.key.to_user_string()} reads {up} {want}, which is {state}: {what_to_run(key, node.key)}",
+                         allow_retries=False)
     return used
 
 
-def provenance(node: Node, pipe, used: Mapping[str, str]) -> dict[str, Any]:
-    """The metadata that says what this artifact is: experiments, config, inputs."""
+def provenance(dep: Deployment, node: Node, pipe, used: Mapping[str, str]) -> dict[str, Any]:
+    """The metadata that says what this artifact is: its experiment (and those sharing it), config, inputs."""
+    shared = [dep.key(n, node.stage).to_user_string() for n in dep.shared_with(node.name, node.stage)]
     return {
-        "experiments": dg.MetadataValue.text(", ".join(node.names)),
-        "experiment_files": dg.MetadataValue.json({e.name: e.describe() for e in node.experiments}),
+        "experiment": dg.MetadataValue.text(node.name),
+        "shared_with": dg.MetadataValue.text(", ".join(shared) or "none"),
+        "experiment_file": dg.MetadataValue.text(node.experiment.describe()),
         "semantic_config": dg.MetadataValue.json(plain_json(pipe.stage_config(node.stage))),
         "input_fingerprints": dg.MetadataValue.json({**used, "data_sources": source_version(pipe)[0]}),
     }

@@ -1,4 +1,4 @@
-"""The asset factory: one asset per stage node of the deployment, and its data sources.
+"""The asset factory: one asset per stage of each experiment, and its data sources.
 
 Every stage asset is a thin shell around :class:`lm_pipeline.steps.Pipeline`, made fresh in the
 step (addresses from the data as it is now): it checks its inputs (:mod:`assets.provenance`),
@@ -14,7 +14,9 @@ group, run in parallel by the multiprocess executor, and a commit op assembles t
 ``tokenizing`` resource in ``ray`` mode the commit op runs the groups as Ray tasks instead), and
 ``train_ckpt`` launches the training (:mod:`assets.launch`), is retried by a ``RetryPolicy`` (a
 retry resumes from the run's latest checkpoint) and runs in the training pool. Evaluations run in
-the evaluation pool. Each step first records its run's process and frees the pool slots of runs
+the evaluation pool. An artifact that several experiments share (same address) is built by
+whichever asset runs first; the others' materializations are cache hits with the same data
+version (for the fan-out, a group whose cache another run committed meanwhile is skipped). Each step first records its run's process and frees the pool slots of runs
 whose process is gone (:mod:`assets.dead_runs`).
 """
 
@@ -30,7 +32,7 @@ from assets.dead_runs import tend
 from assets.deployment import Deployment, Node
 from assets.experiment import Experiment
 from assets.names import EVALUATION_POOL, TRAINING_POOL
-from assets.provenance import lineage_metadata, provenance, source_version, verify_inputs
+from assets.provenance import lineage_metadata, provenance, source_version, verify_inputs, what_to_run
 from resources import (
     ArtifactStoreResource,
     JaxRuntimeResource,
@@ -45,16 +47,21 @@ TRAIN_RETRIES = 2
 
 
 def stage_assets(dep: Deployment) -> list:
-    """The data sources and one asset per stage node of ``dep`` (shared ones once)."""
+    """The data sources and one asset per stage of each experiment of ``dep``."""
     special = {"token_cache": _token_cache_asset, "train_ckpt": _train_ckpt_asset}
     assets: list = [_source_asset(key, node) for key, node in dep.sources.items()]
     for node in dep.nodes():
         base = node.owner.pipeline()
         stage = base.stage(node.stage)
+        shared = [dep.key(n, node.stage).to_user_string() for n in node.shared_with]
         spec = {"group_name": node.group, "code_version": node.version, "kinds": {stage.kind},
-                "description": stage.description + (f" Shared by {', '.join(node.names)}." if node.shared else ""),
-                "tags": {f"experiment/{n}": "" for n in node.names},
-                "metadata": {"experiments": dg.MetadataValue.text(", ".join(node.names)),
+                "description": stage.description + (
+                    f" The same artifact as {', '.join(shared)} (same address: built once, a cache hit for the "
+                    "other)." if shared else ""),
+                # what varies with the other experiments is shown, never part of the key or the deps
+                "tags": {f"experiment/{node.name}": "", **{f"shared_with/{n}": "" for n in node.shared_with}},
+                "metadata": {"experiment": dg.MetadataValue.text(node.name),
+                             "shared_with": dg.MetadataValue.text(", ".join(shared) or "none"),
                              "semantic_config": dg.MetadataValue.json(md.plain_json(base.stage_config(stage.name))),
                              "fingerprint_inputs": dg.MetadataValue.text(
                                  ", ".join(base.input_stages(stage.name)) or "the data's content")}}
@@ -66,25 +73,31 @@ def _run_pipe(exp: Experiment, store: ArtifactStoreResource):
     return exp.fresh_pipeline(store.store())
 
 
-def _artifact_metadata(node: Node, pipe, used: Mapping[str, str], res, *extra) -> dict[str, Any]:
+def _artifact_metadata(dep: Deployment, node: Node, pipe, used: Mapping[str, str], res, *extra) -> dict[str, Any]:
     """All a stage's materialization shows: the stage's own metadata, its provenance, its lineage."""
-    return {**md.METADATA[node.stage](res, *extra), **provenance(node, pipe, used), **lineage_metadata(pipe.store, res)}
+    return {**md.METADATA[node.stage](res, *extra), **provenance(dep, node, pipe, used),
+            **lineage_metadata(pipe.store, res)}
 
 
-def _require_trained(pipe, key: dg.AssetKey):
+def _require_trained(pipe, key: dg.AssetKey, me: dg.AssetKey):
     """The checkpoint readers never train: training runs only through the training asset ``key``."""
     if pipe.cached("train_ckpt") is None:
         fp = pipe.address("train_ckpt").fingerprint
-        raise dg.Failure(f"train_ckpt {fp} is not materialized yet; materialize {key.to_user_string()} first "
-                         f"(e.g. --select '*{key.to_user_string()}' or the 'pipeline' job)", allow_retries=False)
+        raise dg.Failure(f"{me.to_user_string()} reads train_ckpt {fp}, which is not built: {what_to_run(key, me)}",
+                         allow_retries=False)
     return pipe
 
 
 def _source_asset(key: dg.AssetKey, raw: Node):
     """The source data under ``raw``: observed (data version = a hash of the shards' content)."""
+    with warnings.catch_warnings():  # observable_source_asset is marked beta: said once per load, on every command
+        warnings.simplefilter("ignore", dg.BetaWarning)
+        return _observable(key, raw)
 
+
+def _observable(key: dg.AssetKey, raw: Node):
     @dg.observable_source_asset(key=key, group_name=raw.group,
-                                description="The source data (shards) of " + ", ".join(raw.names) + ": its data "
+                                description="The source data (shards) of " + raw.name + ": its data "
                                             "version hashes every shard's content, so an edit marks every stage "
                                             "built from it stale. Observed by data_sources_sensor and each run.")
     def _observe(context, store: ArtifactStoreResource) -> dg.ObserveResult:
@@ -106,11 +119,11 @@ def _stage_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
         tend(context)
         pipe = _run_pipe(node.owner, store)
         if pipe.stage(node.stage).per_checkpoint:
-            _require_trained(pipe, dep.key(node.owner.name, "train_ckpt"))
+            _require_trained(pipe, dep.key(node.name, "train_ckpt"), node.key)
         used = verify_inputs(context, dep, node, pipe)
         res = pipe.build(node.stage)
         context.log.info(md.summary_line(res))
-        return md.result(res, _artifact_metadata(node, pipe, used, res))
+        return md.result(res, _artifact_metadata(dep, node, pipe, used, res))
 
     return _asset
 
@@ -145,7 +158,12 @@ def _token_cache_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
 
     @dg.op(name=f"{prefix}_group", description="Tokenize one shard group into its part of the cache.")
     def token_cache_group(context: dg.OpExecutionContext, group: dict, store: ArtifactStoreResource) -> dict:
-        info = _run_pipe(exp, store).token_cache_part(CacheGroup.from_dict(group))
+        pipe, g = _run_pipe(exp, store), CacheGroup.from_dict(group)
+        if pipe.cached("token_cache") is not None:  # committed meanwhile (another experiment sharing it)
+            context.log.info(f"group {g.key}: skipped, token_cache {pipe.address('token_cache').fingerprint} "
+                             "is complete")
+            return {"group": g.key, "skipped": True}
+        info = pipe.token_cache_part(g)
         context.log.info(f"group {info['group']}: {info.get('num_docs')} docs, {info.get('num_tokens')} tokens "
                          f"in {info['seconds']:.1f}s")
         return info
@@ -160,10 +178,11 @@ def _token_cache_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
             res = tokenizing.build_on_ray(pipe, log=context.log.info)
             tokenized = 0 if res.hit else int(res.manifest.get("parts_built", 0))
         else:
-            res = pipe.token_cache_commit(parts)
-            tokenized = len(parts)
+            built = [p for p in parts if not p.get("skipped")]
+            res = pipe.token_cache_commit(built)
+            tokenized = 0 if res.hit else len(built)
         context.log.info(md.summary_line(res))
-        meta = _artifact_metadata(node, pipe, used, res)
+        meta = _artifact_metadata(dep, node, pipe, used, res)
         meta["groups_tokenized_in_this_run"] = dg.MetadataValue.int(tokenized)
         with warnings.catch_warnings():  # Output(data_version=...) is marked beta
             warnings.simplefilter("ignore")
@@ -197,7 +216,7 @@ def _train_ckpt_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
         hit = pipe.cached("train_ckpt")
         if hit is not None:
             context.log.info(md.summary_line(hit))
-            yield md.result(hit, _artifact_metadata(node, pipe, used, hit))
+            yield md.result(hit, _artifact_metadata(dep, node, pipe, used, hit))
             return
         if context.retry_number:
             from lm_pipeline.train.checkpoint import latest_checkpoint
@@ -210,6 +229,6 @@ def _train_ckpt_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
         res, extra = yield from launch.train(context, node.key, run_pipe, store=store, training=training,
                                              jax_runtime=jax_runtime)
         context.log.info(md.summary_line(res))
-        yield md.result(res, _artifact_metadata(node, pipe, used, res, extra))
+        yield md.result(res, _artifact_metadata(dep, node, pipe, used, res, extra))
 
     return train_ckpt

@@ -1,6 +1,7 @@
-"""The Dagster definitions without running the pipeline: experiments from files, shared stages,
-asset keys and lineage, code versions from the config, jobs, the checkpoint sensor (exactly
-once, cursor, per experiment) and the schedules evaluated by Dagster."""
+"""The Dagster definitions without running the pipeline: experiments from files, asset keys that
+depend on nothing but the experiment's name (the default experiment's bare), artifacts shared by
+address, lineage, code versions from the config, asset checks, jobs, the checkpoint sensor
+(exactly once, cursor, per experiment) and the schedules evaluated by Dagster."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from assets.deployment import Deployment  # noqa: E402
 from assets.experiment import (  # noqa: E402
     DEFAULT_EXPERIMENT,
     EXPERIMENTS_DIR,
+    default_experiment,
     load_experiment,
     load_experiments,
     parse_override_text,
@@ -59,85 +61,127 @@ def _parents(graph, key: str) -> set[str]:
 
 
 def test_one_experiment_is_its_lineage_its_evaluations_and_the_comparison(experiment):
+    # one experiment alone is the deployment's default: its keys are the bare stage names
     defs = build_definitions(experiment)
     graph = _graph(defs)
-    assert _keys(defs) == {f"tiny/{s}" for s in LINEAGE} | {"tiny/data_sources", "tiny/checkpoint_eval",
-                                                             "experiments/comparison"}
+    assert _keys(defs) == {*LINEAGE, "data_sources", "checkpoint_eval", "experiments/comparison"}
     for stage, parents in EDGES.items():
         # every stage reads its upstream stages and (its address covers it) the data's content
-        assert _parents(graph, f"tiny/{stage}") == {f"tiny/{p}" for p in parents} | {"tiny/data_sources"}, stage
-    assert _parents(graph, "tiny/checkpoint_eval") == {"tiny/train_ckpt"}
-    assert _parents(graph, "experiments/comparison") == {"tiny/eval_report"}
-    assert graph.get(dg.AssetKey(["tiny", "data_sources"])).is_observable
-    assert {graph.get(dg.AssetKey(["tiny", s])).group_name for s in LINEAGE} == {"tiny"}
-    assert graph.get(dg.AssetKey(["tiny", "checkpoint_eval"])).partitions_def.name == "checkpoints_tiny"
-    assert all(graph.get(dg.AssetKey(["tiny", k])).partitions_def is None for k in LINEAGE)
+        assert _parents(graph, stage) == parents | {"data_sources"}, stage
+    assert _parents(graph, "checkpoint_eval") == {"train_ckpt"}
+    assert _parents(graph, "experiments/comparison") == {"eval_report"}
+    assert graph.get(dg.AssetKey("data_sources")).is_observable
+    assert {graph.get(dg.AssetKey(s)).group_name for s in LINEAGE} == {"tiny"}
+    assert graph.get(dg.AssetKey("checkpoint_eval")).partitions_def.name == "checkpoints_tiny"
+    assert all(graph.get(dg.AssetKey(k)).partitions_def is None for k in LINEAGE)
     # the main job: the data observed, the six, the comparison (never the partitioned evaluations)
     job = defs.resolve_job_def("pipeline")
     assert {k.to_user_string() for k in job.asset_layer.selected_asset_keys} == (
-        {f"tiny/{s}" for s in LINEAGE} | {"tiny/data_sources", "experiments/comparison"})
+        {*LINEAGE, "data_sources", "experiments/comparison"})
     assert defs.resolve_sensor_def("new_checkpoint_sensor") is not None
     assert defs.resolve_schedule_def("reevaluate_tiny").default_status == dg.DefaultScheduleStatus.RUNNING
-    train = graph.get(dg.AssetKey(["tiny", "train_ckpt"])).assets_def
+    train = graph.get(dg.AssetKey("train_ckpt")).assets_def
     assert train.op.retry_policy is not None and train.op.retry_policy.max_retries >= 1
     assert train.op.pool == TRAINING_POOL
-    assert graph.get(dg.AssetKey(["tiny", "checkpoint_eval"])).assets_def.op.pool == EVALUATION_POOL
+    assert graph.get(dg.AssetKey("checkpoint_eval")).assets_def.op.pool == EVALUATION_POOL
+    # every artifact a later stage reads is checked; the token cache and the training block what follows
+    checks = {(k.asset_key.to_user_string(), k.name) for k in graph.asset_check_keys}
+    assert checks == {("token_cache", "token_ids_and_counts"), ("train_ckpt", "final_loss"),
+                      ("eval_report", "bpb_vs_unigram"), ("hf_export", "loads_in_transformers")}
+    blocking = {k.asset_key.to_user_string() for k in graph.asset_check_keys if graph.get_check_spec(k).blocking}
+    assert blocking == {"token_cache", "train_ckpt"}
 
 
-def test_two_experiments_share_the_stages_they_have_in_common(tmp_path):
+STAGES = (*LINEAGE, "data_sources", "checkpoint_eval")
+
+
+def _view(defs: dg.Definitions, names=("gpt", "llama")) -> dict[str, tuple]:
+    """Per asset of the experiments: (code version, parents), what staleness is computed from."""
+    graph = _graph(defs)
+    return {f"{n}/{s}": (graph.get(dg.AssetKey([n, s])).code_version,
+                         frozenset(_parents(graph, f"{n}/{s}"))) for n in names for s in STAGES}
+
+
+def test_two_experiments_each_keep_their_own_keys_and_share_artifacts_by_address(tmp_path):
     exps = load_experiments(pt.write_experiments(tmp_path), overrides=[])
     defs = build_definitions(exps)
     graph = _graph(defs)
-    shared = {"shared/data_sources", "shared/raw_shards", "shared/tokenizer", "shared/token_cache"}
-    own = {f"{e}/{s}" for e in ("gpt", "llama") for s in ("train_ckpt", "eval_report", "hf_export", "checkpoint_eval")}
-    assert _keys(defs) == shared | own | {"experiments/comparison"}
+    # no experiment is named default: every key is <experiment>/<stage>
+    assert _keys(defs) == {f"{e}/{s}" for e in ("gpt", "llama") for s in STAGES} | {"experiments/comparison"}
     for e in ("gpt", "llama"):
-        assert _parents(graph, f"{e}/train_ckpt") == {"shared/token_cache", "shared/data_sources"}
-        assert graph.get(dg.AssetKey([e, "train_ckpt"])).group_name == e
-    assert graph.get(dg.AssetKey(["shared", "tokenizer"])).group_name == "shared"
-    # one asset, one version: the stage's config version is the same in both experiments
+        for stage, parents in EDGES.items():
+            assert _parents(graph, f"{e}/{stage}") == {f"{e}/{p}" for p in parents} | {f"{e}/data_sources"}
+        assert {graph.get(dg.AssetKey([e, s])).group_name for s in STAGES} == {e}
+    # the data, tokenizer and cache are the same artifacts: same code version, shown as shared
+    other = {"gpt": "llama", "llama": "gpt"}
     for stage in ("raw_shards", "tokenizer", "token_cache"):
         versions = {e.pipeline().config_version(stage) for e in exps}
-        assert versions == {graph.get(dg.AssetKey(["shared", stage])).code_version}
+        assert versions == {graph.get(dg.AssetKey([n, stage])).code_version for n in other}
+        for n in other:
+            node = graph.get(dg.AssetKey([n, stage]))
+            assert node.metadata["shared_with"].value == f"{other[n]}/{stage}"
+            assert f"shared_with/{other[n]}" in node.tags
+    for n in other:
+        assert graph.get(dg.AssetKey([n, "train_ckpt"])).metadata["shared_with"].value == "none"
     assert exps[0].pipeline().config_version("train_ckpt") != exps[1].pipeline().config_version("train_ckpt")
     assert _parents(graph, "experiments/comparison") == {"gpt/eval_report", "llama/eval_report"}
     jobs = {j.name: {k.to_user_string() for k in j.asset_layer.selected_asset_keys} for j in defs.resolve_all_job_defs()
             if not j.name.startswith("__")}
-    assert jobs["pipeline_llama"] == shared | {"llama/train_ckpt", "llama/eval_report", "llama/hf_export"}
+    assert jobs["pipeline_llama"] == {f"llama/{s}" for s in (*LINEAGE, "data_sources")}
     assert jobs["pipeline"] == (jobs["pipeline_gpt"] | jobs["pipeline_llama"] | {"experiments/comparison"})
-    assert jobs["evaluate_gpt"] == {"gpt/checkpoint_eval"} and jobs["observe_data_sources"] == {"shared/data_sources"}
+    assert jobs["evaluate_gpt"] == {"gpt/checkpoint_eval"}
+    assert jobs["observe_data_sources"] == {"gpt/data_sources", "llama/data_sources"}
 
 
-def test_an_edit_that_makes_experiments_differ_gives_each_its_own_asset(tmp_path):
-    # llama with its own vocabulary: the raw shards stay shared, the tokenizer (and all below) split
-    folder = pt.write_experiments(tmp_path, {"gpt": {}, "llama": {"model": pt.TINY_LLAMA, "data": {
-        **pt.tiny_config(tmp_path)["data"], "tokenizer": {"kind": "bpe", "vocab_size": 320}}}})
+def test_editing_one_experiment_changes_only_its_own_assets(tmp_path):
+    """An asset's key, parents and code version never depend on another experiment: editing
+    llama's tokenizer (it then shares nothing with gpt) changes llama's versions from the
+    tokenizer down and nothing of gpt; reverting restores every version."""
+    folder = pt.write_experiments(tmp_path)
+    before = _view(build_definitions(load_experiments(folder, overrides=[])))
+    llama = folder / "llama.yaml"
+    text = llama.read_text()
+    cfg = yaml.safe_load(text)
+    cfg["data"]["tokenizer"]["vocab_size"] = 320
+    llama.write_text(yaml.safe_dump(cfg))
+    defs = build_definitions(load_experiments(folder, overrides=[]))
+    after = _view(defs)
+    assert set(after) == set(before)  # the same keys, and the same parents for every one
+    assert {k: v[1] for k, v in after.items()} == {k: v[1] for k, v in before.items()}
+    changed = {k for k in before if after[k][0] != before[k][0]}
+    assert changed == {f"llama/{s}" for s in ("tokenizer", "token_cache", "train_ckpt", "eval_report", "hf_export")}
+    graph = _graph(defs)
+    assert graph.get(dg.AssetKey(["gpt", "tokenizer"])).metadata["shared_with"].value == "none"
+    assert graph.get(dg.AssetKey(["gpt", "raw_shards"])).metadata["shared_with"].value == "llama/raw_shards"
+    llama.write_text(text)
+    assert _view(build_definitions(load_experiments(folder, overrides=[]))) == before
+
+
+def test_the_default_experiment_keeps_the_bare_stage_names(tmp_path, monkeypatch):
+    """``default.yaml`` of a folder (or the one file of $LM_PIPELINE_EXPERIMENT) is the default
+    experiment: ``--select train_ckpt`` names its training; the others are prefixed."""
+    folder = pt.write_experiments(tmp_path, {"default": {}, "llama": {"model": pt.TINY_LLAMA}})
     keys = _keys(build_definitions(load_experiments(folder, overrides=[])))
-    assert {"shared/raw_shards", "gpt/tokenizer", "llama/tokenizer", "gpt/token_cache", "llama/token_cache"} <= keys
-    assert "shared/tokenizer" not in keys
-    # two different sharing groups of one stage are told apart by their experiments
-    other = tmp_path / "other"
-    pt.write_corpus(other / "data", num_train=2)
-    cfgs = {n: pt.tiny_config(tmp_path) for n in ("a", "b")}
-    cfgs.update({n: pt.tiny_config(other) | {"store": {"root": str(tmp_path / "store")}} for n in ("c", "d")})
-    folder2 = tmp_path / "four"
-    folder2.mkdir()
-    for n, c in cfgs.items():
-        (folder2 / f"{n}.yaml").write_text(yaml.safe_dump(c), encoding="utf-8")
-    dep = Deployment(load_experiments(folder2, overrides=[]))
-    assert dep.key("a", "raw_shards").to_user_string() == "shared/raw_shards_a_b"
-    assert dep.key("d", "raw_shards").to_user_string() == "shared/raw_shards_c_d"
-    assert dep.source_key("c").to_user_string() == "shared/data_sources_c_d"
+    assert {*LINEAGE, "data_sources", "checkpoint_eval"} <= keys
+    assert {f"llama/{s}" for s in (*LINEAGE, "data_sources", "checkpoint_eval")} <= keys
+    assert not [k for k in keys if k.startswith("default/")]
+    monkeypatch.delenv("LM_PIPELINE_EXPERIMENTS_DIR", raising=False)
+    monkeypatch.setenv("LM_PIPELINE_EXPERIMENT", str(folder / "llama.yaml"))
+    monkeypatch.setenv("LM_PIPELINE_OVERRIDES", "")
+    assert default_experiment(load_experiments()) == "llama"  # one file alone is the default
+    assert "train_ckpt" in _keys(build_definitions())
+    with pytest.raises(ValueError, match="default experiment 'nope'"):
+        Deployment(load_experiments(folder, overrides=[]), default="nope")
 
 
 def test_code_versions_follow_the_semantic_config(experiment, tmp_path):
-    base = {k: _graph(build_definitions(experiment)).get(dg.AssetKey(["tiny", k])).code_version for k in LINEAGE}
+    base = {k: _graph(build_definitions(experiment)).get(dg.AssetKey(k)).code_version for k in LINEAGE}
     assert base == experiment.pipeline().config_versions()
 
     def versions(overrides: str) -> dict[str, str]:
         exp = load_experiment(experiment.path, overrides=overrides)
         g = _graph(build_definitions(exp))
-        return {k: g.get(dg.AssetKey(["tiny", k])).code_version for k in LINEAGE}
+        return {k: g.get(dg.AssetKey(k)).code_version for k in LINEAGE}
 
     def changed(v):
         return {k for k in LINEAGE if v[k] != base[k]}
@@ -166,8 +210,11 @@ def test_experiments_come_from_files_and_the_environment(tmp_path, monkeypatch):
     assert [e.name for e in default] == sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))
     assert len(default) >= 2 and all(e.cfg.data.builtin == "python_stdlib" for e in default)
     assert all(Path(e.store_root).is_absolute() for e in default)
-    # the default experiments share their data and tokenizer
-    assert Deployment(default).key("default", "tokenizer").to_user_string() == "shared/tokenizer"
+    # the default experiments share their data and tokenizer (the same artifacts), each with its own keys
+    dep = Deployment(default)
+    assert dep.key("default", "tokenizer").to_user_string() == "tokenizer"
+    assert dep.key("llama", "tokenizer").to_user_string() == "llama/tokenizer"
+    assert dep.shared_with("default", "tokenizer") == ["llama"]
     with pytest.raises(ValueError, match="section.field=value"):
         parse_override_text("model.num_layers")
 
@@ -207,7 +254,7 @@ def test_a_new_experiment_file_shows_when_the_code_location_reloads(tmp_path, mo
     pt.write_experiments(tmp_path, {"llama": {"model": pt.TINY_LLAMA}})
     mod = importlib.reload(mod)  # what the UI's "Reload" does: the module is loaded again
     g = mod.defs.resolve_asset_graph()
-    assert {"gpt/train_ckpt", "llama/train_ckpt", "shared/tokenizer"} <= _keys(mod.defs)
+    assert {"gpt/train_ckpt", "llama/train_ckpt", "llama/tokenizer", "gpt/tokenizer"} <= _keys(mod.defs)
     exp = {e.name: e for e in load_experiments()}["llama"]
     assert g.get(dg.AssetKey(["llama", "train_ckpt"])).code_version == exp.pipeline().config_version("train_ckpt")
     assert exp.cfg.trainer.num_train_steps == 9
@@ -293,9 +340,9 @@ def test_a_tick_past_the_limit_advances_its_cursor_and_the_next_requests_the_res
 
 def test_sensor_requests_per_experiment_including_a_shared_training(tmp_path):
     instance = dg.DagsterInstance.ephemeral()
-    keys = {dg.AssetKey(["a", "train_ckpt"]): ["a"], dg.AssetKey(["shared", "train_ckpt"]): ["b", "c"]}
+    keys = {dg.AssetKey(["a", "train_ckpt"]): ["a"], dg.AssetKey(["s", "train_ckpt"]): ["b", "c"]}
     ka = _report_checkpoint(instance, "aaaa", 10, asset="a/train_ckpt")
-    ks = _report_checkpoint(instance, "ssss", 10, asset="shared/train_ckpt")
+    ks = _report_checkpoint(instance, "ssss", 10, asset="s/train_ckpt")
     _report_checkpoint(instance, "zzzz", 10, asset="z/train_ckpt")  # not a training asset of this deployment
     first = checkpoint_requests(instance, None, train_keys=keys)
     got = sorted((r.job_name, r.partition_key, r.run_key, r.tags["lm_pipeline/experiment"]) for r in first.run_requests)
@@ -314,7 +361,7 @@ def test_sensor_definition_evaluates_with_a_cursor(experiment):
     defs = build_definitions(experiment)
     sensor = defs.resolve_sensor_def("new_checkpoint_sensor")
     instance = dg.DagsterInstance.ephemeral()
-    key = _report_checkpoint(instance, "cccc", 3, asset="tiny/train_ckpt")
+    key = _report_checkpoint(instance, "cccc", 3, asset="train_ckpt")  # the one experiment's: bare keys
     ctx = dg.build_sensor_context(instance=instance, definitions=defs)
     result = sensor(ctx)
     assert [(r.partition_key, r.job_name) for r in result.run_requests] == [(key, "evaluate_tiny")]
@@ -391,8 +438,8 @@ def test_python_m_assets_maps_to_dagster_commands(tmp_path, monkeypatch):
     from assets import __main__ as cli
 
     assert cli.dagster_args(["materialize"]) == ["job", "execute", "-m", "assets.definitions", "-j", "pipeline"]
-    assert cli.dagster_args(["materialize", "--select", "default/train_ckpt"]) == [
-        "asset", "materialize", "-m", "assets.definitions", "--select", "default/train_ckpt"]
+    assert cli.dagster_args(["materialize", "--select", "train_ckpt"]) == [
+        "asset", "materialize", "-m", "assets.definitions", "--select", "train_ckpt"]
     assert cli.dagster_args(["dev", "-p", "3001"]) == ["dev", "-m", "assets.definitions", "-p", "3001"]
     env = {"DAGSTER_HOME": str(tmp_path / "home")}
     home = cli.ensure_home(env)

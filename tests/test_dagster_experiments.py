@@ -1,5 +1,5 @@
-"""Two experiments in one deployment, through Dagster's instance: the stages they share
-materialize once; per kind of change (data content, tokenizer, model, optimizer, eval, log-only,
+"""Two experiments in one deployment, through Dagster's instance: the artifacts they share
+are built once (the second experiment's materialization a recorded cache hit); per kind of change (data content, tokenizer, model, optimizer, eval, log-only,
 revert) the stale set is the expected one for both; a stage whose upstream is not what Dagster
 recorded never records a false lineage; the comparison shows both; all of it on PostgreSQL too."""
 
@@ -109,11 +109,15 @@ def test_two_experiments_share_stages_and_go_stale_exactly_as_the_plan_says(tmp_
     first = d.run()
     assert first.success
     mats = _materializations(first)
-    # the shared stages are built once (one materialization, not a hit), each experiment's own once
+    # the shared artifacts are built once: each experiment's asset materializes once, one a build,
+    # the other a cache hit with the same data version, each saying whom it shares with
     for stage in SHARED:
-        assert [m.metadata["cache_hit"].value for m in mats[f"shared/{stage}"]] == [False], stage
-        assert mats[f"shared/{stage}"][0].metadata["experiments"].value == "gpt, llama"
-    raw = mats["shared/raw_shards"][0].metadata
+        hits = sorted(mats[f"{n}/{stage}"][0].metadata["cache_hit"].value for n in NAMES)
+        assert [len(mats[f"{n}/{stage}"]) for n in NAMES] == [1, 1] and hits == [False, True], stage
+        assert len({mats[f"{n}/{stage}"][0].tags["dagster/data_version"] for n in NAMES}) == 1
+        assert mats[f"gpt/{stage}"][0].metadata["shared_with"].value == f"llama/{stage}"
+        assert mats[f"llama/{stage}"][0].metadata["experiment"].value == "llama"
+    raw = mats["gpt/raw_shards"][0].metadata
     assert raw["data_summary"].value == (f"kept {raw['valid'].value} of {raw['records'].value} records "
                                          f"(train {raw['valid'].value - 2}, validation 2); skipped 0")
     for n in NAMES:
@@ -123,12 +127,13 @@ def test_two_experiments_share_stages_and_go_stale_exactly_as_the_plan_says(tmp_
     # provenance: the config of *that* artifact and the inputs it read, as Dagster recorded them
     llama_train = mats["llama/train_ckpt"][0]
     assert llama_train.metadata["semantic_config"].value["model"]["type"] == "llama"
-    cache_fp = mats["shared/token_cache"][0].tags["dagster/data_version"]
+    assert llama_train.metadata["shared_with"].value == "none"
+    cache_fp = mats["llama/token_cache"][0].tags["dagster/data_version"]
     assert llama_train.metadata["input_fingerprints"].value["token_cache"] == cache_fp
-    assert llama_train.tags["dagster/input_data_version/shared/token_cache"] == cache_fp
+    assert llama_train.tags["dagster/input_data_version/llama/token_cache"] == cache_fp
     chain = llama_train.metadata["lineage"].value  # the chain back to the shards, on the asset's page
     for stage in ("train_ckpt", "token_cache", "tokenizer", "raw_shards"):
-        fp = mats[f"shared/{stage}" if stage in SHARED else f"llama/{stage}"][0].tags["dagster/data_version"]
+        fp = mats[f"llama/{stage}"][0].tags["dagster/data_version"]
         assert f"{stage} {fp}" in chain or (stage in chain and fp in chain), (stage, chain[:2000])
     assert chain.index("token_cache") < chain.index("raw_shards")
     # the comparison holds both experiments, each beside its unigram baseline
@@ -182,7 +187,7 @@ def test_a_stage_never_records_a_lineage_it_did_not_use(tmp_path):
     the command line); materializing the cache (a hit) then lets the training record it."""
     d = Deployed(tmp_path, dg.DagsterInstance.ephemeral())
     assert d.run().success
-    old_cache = d.instance.get_latest_materialization_event(dg.AssetKey(["shared", "token_cache"]))
+    old_cache = d.instance.get_latest_materialization_event(dg.AssetKey(["gpt", "token_cache"]))
     vocab = "data.tokenizer.vocab_size=320"
     defs = d.defs(vocab)
     train = dg.AssetKey(["gpt", "train_ckpt"])
@@ -192,7 +197,8 @@ def test_a_stage_never_records_a_lineage_it_did_not_use(tmp_path):
     assert not result.success
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     message = str(failure.step_failure_data.error.message)
-    assert "materialize shared/token_cache first" in message and "\n" not in message.strip()
+    assert "materialize gpt/token_cache first" in message and "\n" not in message.strip()
+    assert "python -m assets materialize" in message and "--select '*gpt/train_ckpt'" in message
     assert d.instance.get_latest_materialization_event(train).timestamp == before  # nothing recorded
     exp = {e.name: e for e in load_experiments(d.folder, overrides=vocab)}["gpt"]
     pipe = exp.fresh_pipeline(exp.pipeline().store)
@@ -203,15 +209,15 @@ def test_a_stage_never_records_a_lineage_it_did_not_use(tmp_path):
     result = job.execute_in_process(instance=d.instance, asset_selection=[train], raise_on_error=False)
     assert not result.success
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "complete in the store (a cache hit) but not recorded by Dagster: materialize shared/token_cache first" in str(
+    assert "complete in the store (a cache hit) but not recorded by Dagster: materialize gpt/token_cache first" in str(
         failure.step_failure_data.error.message)
-    cache = dg.AssetKey(["shared", "token_cache"])
-    tok = dg.AssetKey(["shared", "tokenizer"])
+    cache = dg.AssetKey(["gpt", "token_cache"])
+    tok = dg.AssetKey(["gpt", "tokenizer"])
     assert job.execute_in_process(instance=d.instance, asset_selection=[tok, cache]).success
     result = job.execute_in_process(instance=d.instance, asset_selection=[train])
     assert result.success
     m = d.instance.get_latest_materialization_event(train).asset_materialization
-    assert m.tags["dagster/input_data_version/shared/token_cache"] == built.fingerprint
+    assert m.tags["dagster/input_data_version/gpt/token_cache"] == built.fingerprint
     assert m.metadata["input_fingerprints"].value["token_cache"] == built.fingerprint
     assert m.tags["dagster/data_version"] == pipe.address("train_ckpt").fingerprint
     recorded = d.instance.get_latest_materialization_event(cache).asset_materialization
@@ -321,3 +327,107 @@ def test_an_eval_settings_change_marks_every_checkpoint_evaluation_stale_and_a_b
         assert all(after[k] != before[k] for k in keys)  # new reports, not the old ones again
     finally:
         instance.dispose()
+
+
+STALE_QUERY = """{ assetNodes { assetKey { path } staleStatus staleCauses { key { path } reason } } }"""
+
+
+class UI:
+    """The UI's view of the deployment in ``folder``: its GraphQL API over the code location as
+    ``dagster dev`` loads it (``assets.definitions`` in its own code server), reloaded like the UI's
+    **Reload** button after an experiment file changes."""
+
+    def __init__(self, instance: dg.DagsterInstance):
+        from dagster._core.workspace.context import WorkspaceProcessContext
+        from dagster._core.workspace.load_target import ModuleTarget
+
+        self.context = WorkspaceProcessContext(instance, ModuleTarget(
+            module_name="assets.definitions", attribute=None, working_directory=str(pt.REPO), location_name="lm_pipeline"))
+
+    def status(self) -> dict[str, tuple[str, list[str]]]:
+        """Asset key -> (staleStatus, the reasons of its staleCauses)."""
+        from dagster_graphql.test.utils import execute_dagster_graphql
+
+        result = execute_dagster_graphql(self.context.create_request_context(), STALE_QUERY)
+        return {"/".join(n["assetKey"]["path"]): (n["staleStatus"], [c["reason"] for c in n["staleCauses"]])
+                for n in result.data["assetNodes"]}
+
+    def reload(self) -> None:
+        self.context.reload_code_location("lm_pipeline")
+
+    def close(self) -> None:
+        self.context.__exit__(None, None, None)  # stops the code server
+
+
+@pytest.mark.slow  # two experiments trained and exported through Dagster, a code server reloaded: ~90 s
+def test_a_tokenizer_edit_marks_only_its_experiments_stages_stale_in_the_ui(tmp_path, monkeypatch):
+    """``default`` and ``llama`` share their data and tokenizer (the same artifacts, built once). As
+    the UI's GraphQL API reports staleness: editing llama's tokenizer marks llama's stages from the
+    tokenizer down STALE and nothing else -- every asset of ``default`` keeps its key and stays
+    FRESH; reverting makes nothing stale; materializing the edit (llama alone) leaves ``default``
+    untouched, and its tokenizer says it no longer shares it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    folder = pt.write_experiments(tmp_path, {"default": {}, "llama": {"model": pt.TINY_LLAMA}})
+    for var, value in {"DAGSTER_HOME": str(home), "LM_PIPELINE_EXPERIMENTS_DIR": str(folder),
+                       "LM_PIPELINE_OVERRIDES": "", "LM_PIPELINE_TRAIN_MODE": "in_process"}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.delenv("LM_PIPELINE_EXPERIMENT", raising=False)
+    lineage = {f"{p}{s}" for p in ("", "llama/") for s in (*LINEAGE, "data_sources")}
+    mine = {f"llama/{s}" for s in ("tokenizer", "token_cache", "train_ckpt", "eval_report", "hf_export")}
+    with dg.DagsterInstance.get() as instance:
+        d = Deployed.__new__(Deployed)
+        d.tmp, d.folder, d.instance = tmp_path, folder, instance
+        first = d.run()
+        assert first.success
+        mats = _materializations(first)
+        for stage in SHARED:  # built once: one experiment's materialization is the other's cache hit
+            assert sorted(mats[k][0].metadata["cache_hit"].value for k in (stage, f"llama/{stage}")) == [False, True]
+            assert mats[stage][0].tags["dagster/data_version"] == mats[f"llama/{stage}"][0].tags["dagster/data_version"]
+        assert mats["tokenizer"][0].metadata["shared_with"].value == "llama/tokenizer"
+        checks = {e.asset_check_evaluation_data.asset_check_key.to_user_string(): e.asset_check_evaluation_data.passed
+                  for e in first.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
+        assert checks["token_cache:token_ids_and_counts"] and checks["llama/token_cache:token_ids_and_counts"]
+        assert checks["hf_export:loads_in_transformers"] and checks["llama/hf_export:loads_in_transformers"]
+
+        ui = UI(instance)
+        try:
+            _walk(d, ui, instance, lineage, mine)
+        finally:
+            ui.close()
+
+
+def _walk(d: Deployed, ui: UI, instance: dg.DagsterInstance, lineage: set[str], mine: set[str]) -> None:
+    folder = d.folder
+    before = ui.status()
+    assert {k for k in before if k in lineage} == lineage
+    assert {k: before[k][0] for k in lineage} == dict.fromkeys(lineage, "FRESH")
+
+    llama = folder / "llama.yaml"
+    text = llama.read_text()
+    d.edit("llama", "data", tokenizer={"kind": "bpe", "vocab_size": 320})
+    ui.reload()
+    edited = ui.status()
+    assert set(edited) == set(before)  # no key appears or vanishes
+    assert {k for k in lineage if edited[k][0] == "STALE"} == mine
+    assert {k: edited[k][0] for k in lineage - mine} == dict.fromkeys(lineage - mine, "FRESH")
+    assert edited["llama/tokenizer"][1] == ["has a new code version"], edited["llama/tokenizer"]
+    assert all(not causes for k, (_, causes) in edited.items() if not k.startswith(("llama/", "experiments/")))
+
+    llama.write_text(text)  # revert
+    ui.reload()
+    assert {k: v[0] for k, v in ui.status().items() if k in lineage} == dict.fromkeys(lineage, "FRESH")
+
+    # the edit materialized: llama's own stages rebuilt, default's neither run nor stale
+    d.edit("llama", "data", tokenizer={"kind": "bpe", "vocab_size": 320})
+    ui.reload()
+    default_before = {s: instance.get_latest_materialization_event(dg.AssetKey(s)).timestamp for s in LINEAGE}
+    assert d.run("pipeline_llama").success
+    assert {s: instance.get_latest_materialization_event(dg.AssetKey(s)).timestamp for s in LINEAGE} == default_before
+    after = ui.status()
+    assert set(after) == set(before)
+    assert {k: after[k][0] for k in lineage} == dict.fromkeys(lineage, "FRESH")
+    graph = d.defs().resolve_asset_graph()
+    assert graph.get(dg.AssetKey("tokenizer")).metadata["shared_with"].value == "none"
+    assert graph.get(dg.AssetKey("raw_shards")).metadata["shared_with"].value == "llama/raw_shards"

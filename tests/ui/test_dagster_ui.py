@@ -1,5 +1,6 @@
 """The Dagster UI in a real (headless, system) Chromium: the deployment's global asset graph (two
-experiments, the stages they share, the comparison), a training asset's metadata, the comparison.
+experiments, each with its own assets, the comparison), a shared artifact shown as shared, a
+training asset's metadata, the comparison.
 
 Materializes two tiny experiments and their comparison into a fresh persistent instance, starts
 ``dagster dev`` on a loopback port against their folder (``$LM_PIPELINE_EXPERIMENTS_DIR``), and
@@ -32,21 +33,22 @@ pytestmark = pytest.mark.ui
 CHROMIUM = os.environ.get("LM_PIPELINE_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("LM_PIPELINE_CHROMEDRIVER", "/usr/bin/chromedriver")
 ARTIFACTS = pt.REPO / "test-artifacts" / "ui"
-# The deployment of pt.write_experiments: gpt and llama share their data and tokenizer (same config),
-# and train (and everything after) on their own. Asset group -> the assets drawn in it.
-GROUPS = {"shared": ("data_sources", "raw_shards", "tokenizer", "token_cache"),
-          "gpt": ("train_ckpt", "eval_report", "hf_export", "checkpoint_eval"),
-          "llama": ("train_ckpt", "eval_report", "hf_export", "checkpoint_eval"),
-          "experiments": ("comparison",)}
+# The deployment of pt.write_experiments: gpt and llama share their data and tokenizer (same config:
+# the same artifacts in the store), and train (and everything after) on their own. Each has its own
+# assets. Asset group -> the assets drawn in it.
+_STAGES = ("data_sources", "raw_shards", "tokenizer", "token_cache", "train_ckpt", "eval_report", "hf_export",
+           "checkpoint_eval")
+GROUPS = {"gpt": _STAGES, "llama": _STAGES, "experiments": ("comparison",)}
 # The lineage edges (upstream, downstream) between "<group>/<name>" nodes: every stage also depends
 # on the data source directly; the comparison on both experiments' evaluations.
-EDGES = {("shared/data_sources", "shared/raw_shards"), ("shared/data_sources", "shared/tokenizer"),
-         ("shared/data_sources", "shared/token_cache"), ("shared/raw_shards", "shared/tokenizer"),
-         ("shared/raw_shards", "shared/token_cache"), ("shared/tokenizer", "shared/token_cache")}
+EDGES = set()
 for _e in ("gpt", "llama"):
-    EDGES |= {("shared/token_cache", f"{_e}/train_ckpt"), ("shared/token_cache", f"{_e}/eval_report"),
-              ("shared/data_sources", f"{_e}/train_ckpt"), ("shared/data_sources", f"{_e}/eval_report"),
-              ("shared/data_sources", f"{_e}/hf_export"), (f"{_e}/train_ckpt", f"{_e}/eval_report"),
+    EDGES |= {(f"{_e}/data_sources", f"{_e}/raw_shards"), (f"{_e}/data_sources", f"{_e}/tokenizer"),
+              (f"{_e}/data_sources", f"{_e}/token_cache"), (f"{_e}/raw_shards", f"{_e}/tokenizer"),
+              (f"{_e}/raw_shards", f"{_e}/token_cache"), (f"{_e}/tokenizer", f"{_e}/token_cache"),
+              (f"{_e}/token_cache", f"{_e}/train_ckpt"), (f"{_e}/token_cache", f"{_e}/eval_report"),
+              (f"{_e}/data_sources", f"{_e}/train_ckpt"), (f"{_e}/data_sources", f"{_e}/eval_report"),
+              (f"{_e}/data_sources", f"{_e}/hf_export"), (f"{_e}/train_ckpt", f"{_e}/eval_report"),
               (f"{_e}/train_ckpt", f"{_e}/hf_export"), (f"{_e}/train_ckpt", f"{_e}/checkpoint_eval"),
               (f"{_e}/eval_report", "experiments/comparison")}
 # What the deployment starts RUNNING, stopped before the daemon starts (see the server fixture).
@@ -70,7 +72,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """Two materialized tiny experiments (gpt, llama: shared data and tokenizer) and their
+    """Two materialized tiny experiments (gpt, llama: the same data and tokenizer) and their
     comparison, and ``dagster dev`` serving the folder they live in; yields the base URL."""
     _need_browser()
     tmp = tmp_path_factory.mktemp("ui")
@@ -251,7 +253,7 @@ def _drawn_graph(driver) -> tuple[dict[str, dict], list[tuple[str, str]]]:
     return nodes, edges
 
 
-def test_global_asset_graph_shows_both_experiments_their_shared_stages_and_the_comparison(server, browser):
+def test_global_asset_graph_shows_both_experiments_and_the_comparison(server, browser):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
@@ -259,12 +261,12 @@ def test_global_asset_graph_shows_both_experiments_their_shared_stages_and_the_c
     _welcomed(browser, server)
     browser.get(f"{server}/asset-groups")  # the UI's "Lineage": the global asset graph, every group
 
-    # it opens with each group collapsed to one box: one per experiment, shared, experiments
+    # it opens with each group collapsed to one box: one per experiment, and experiments
     def collapsed(d):
         g = d.execute_script(_GRAPH_JS)
         return g if g and set(GROUPS) <= {gr["name"] for gr in g["groups"]} else False
 
-    g = _wait(browser, collapsed, what="the four collapsed groups")
+    g = _wait(browser, collapsed, what="the three collapsed groups")
     assert sorted(gr["name"] for gr in g["groups"]) == sorted(GROUPS) and not g["nodes"], g
     # "Expand all groups", from the graph's settings menu (the gear by the zoom controls)
     _dismiss_dialogs(browser)
@@ -287,16 +289,16 @@ def test_global_asset_graph_shows_both_experiments_their_shared_stages_and_the_c
     ActionChains(browser).send_keys(Keys.ESCAPE).perform()  # close the menu
     _wait(browser, lambda d: not [e for e in d.find_elements(By.XPATH, "//*[normalize-space(text())='Collapse all groups']")
                                   if e.is_displayed()], what="the menu to close")
-    # every asset once, in its group: one tokenizer (shared), a train_ckpt per experiment, ...
+    # every asset once, in its group: a tokenizer, a train_ckpt, ... per experiment
     assert sorted(nodes) == expected, f"drawn {sorted(nodes)}"
     # the lineage, edge by edge (each drawn once), all flowing left to right
     assert len(edges) == len(set(edges)), f"edges drawn twice: {sorted(e for e in edges if edges.count(e) > 1)}"
     assert set(edges) == EDGES, (f"missing {sorted(EDGES - set(edges))}, unexpected {sorted(set(edges) - EDGES)}")
     for up, down in edges:
         assert nodes[up]["x"] + nodes[up]["w"] <= nodes[down]["x"], f"{up} -> {down} does not flow left to right"
-    # the experiments' groups sit between the shared stages and the comparison
+    # each experiment's lineage flows into the comparison
     for e in ("gpt", "llama"):
-        assert nodes["shared/token_cache"]["x"] < nodes[f"{e}/train_ckpt"]["x"] < nodes["experiments/comparison"]["x"]
+        assert nodes[f"{e}/token_cache"]["x"] < nodes[f"{e}/train_ckpt"]["x"] < nodes["experiments/comparison"]["x"]
 
     # once the live data has loaded, each built asset shows as materialized (a full node says so;
     # a small one, as the whole graph is drawn, is green)
@@ -341,6 +343,27 @@ def test_train_ckpt_page_shows_loss_curve_and_final_metrics(server, browser):
     assert img.get_property("naturalHeight") > 100
     time.sleep(0.5)
     _shot(browser, "train_ckpt_loss_curve.png")
+
+
+def test_a_shared_artifact_says_whom_it_shares_with(server, browser):
+    """gpt/tokenizer is llama's tokenizer too (one artifact in the store): its page says so, in its
+    definition's metadata and tags and in its materialization, which is a build for one of the
+    two experiments and a cache hit for the other."""
+    from selenium.webdriver.common.by import By
+
+    _welcomed(browser, server)
+    hits = {}
+    for e, other in (("gpt", "llama"), ("llama", "gpt")):
+        browser.get(f"{server}/assets/{e}/tokenizer")
+        _wait(browser, lambda d: d.find_elements(By.XPATH, "//td[.//span[normalize-space()='shared_with']]") or False,
+              what=f"{e}/tokenizer's metadata")
+        rows = [r.text for r in browser.find_elements(By.XPATH, "//tr[td[1]//span[normalize-space()='shared_with']]")]
+        assert rows and all(f"{other}/tokenizer" in r for r in rows), rows
+        assert f"shared_with/{other}" in browser.page_source
+        hits[e] = _metadata_row(browser, "cache_hit").text.split()[-1].lower()
+        if e == "gpt":
+            _shot(browser, "shared_tokenizer.png")
+    assert sorted(hits.values()) == ["false", "true"], hits
 
 
 def _metadata_row(driver, key: str):
