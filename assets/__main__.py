@@ -6,14 +6,17 @@ uses a temporary instance that is deleted on exit. This wrapper sets ``DAGSTER_H
 so lineage and history persist with nothing exported::
 
     python -m assets materialize          # every experiment and the comparison (dagster job execute -j pipeline)
-    python -m assets materialize --select "*llama/train_ckpt"   # any selection (dagster asset materialize)
+    python -m assets materialize --select train_ckpt            # the default experiment's training (dagster asset materialize)
+    python -m assets materialize --select "*llama/train_ckpt"   # any selection
     python -m assets dev [-p 3000]        # the UI and daemon (sensors, schedules): dagster dev
-    python -m assets home                 # print the instance directory
+    python -m assets home                 # create the instance directory (dagster.yaml: pools, run limits) and print it
     python -m assets dagster ARGS...      # any other dagster command, same instance
 
 Before ``materialize`` and ``dev`` start Dagster, runs whose process is gone (killed) are marked
 failed and their pool slots freed, and each run still holding a pool slot is named in one line
-(:mod:`assets.dead_runs`).
+(:mod:`assets.dead_runs`). An existing ``$DAGSTER_HOME/dagster.yaml`` is kept; when it sets
+none of the template's limits (one step per pool, two runs at a time) one line says so
+(:func:`missing_limits`).
 
 The experiments are the files of ``configs/experiments/`` (``$LM_PIPELINE_EXPERIMENTS_DIR``), or
 the one file ``$LM_PIPELINE_EXPERIMENT``, with ``$LM_PIPELINE_OVERRIDES``; see :mod:`assets.experiment`.
@@ -25,6 +28,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_HOME = REPO_ROOT / ".dagster_home"
@@ -43,6 +47,36 @@ def ensure_home(environ: dict[str, str] | None = None) -> Path:
         shutil.copyfile(TEMPLATE, cfg)
     env["DAGSTER_HOME"] = str(home)
     return home
+
+
+def missing_limits(config: Any) -> list[str]:
+    """The template's limits that an instance config (a parsed dagster.yaml) does not set: a default
+    pool limit and a run limit (``concurrency:``; ``run_queue: max_concurrent_runs`` also counts)."""
+    cfg = config if isinstance(config, dict) else {}
+    conc = cfg.get("concurrency") if isinstance(cfg.get("concurrency"), dict) else {}
+    pools = conc.get("pools") if isinstance(conc.get("pools"), dict) else {}
+    runs = conc.get("runs") if isinstance(conc.get("runs"), dict) else {}
+    queue = cfg.get("run_queue") if isinstance(cfg.get("run_queue"), dict) else {}
+    missing = []
+    if pools.get("default_limit") is None and conc.get("default_op_concurrency_limit") is None:
+        missing.append("concurrency: pools: default_limit")
+    if runs.get("max_concurrent_runs") is None and queue.get("max_concurrent_runs") is None:
+        missing.append("concurrency: runs: max_concurrent_runs")
+    return missing
+
+
+def warn_missing_limits(home: Path) -> None:
+    """One line on stderr when ``home``'s dagster.yaml sets none of the template's limits."""
+    import yaml
+
+    cfg = home / "dagster.yaml"
+    try:
+        missing = missing_limits(yaml.safe_load(cfg.read_text(encoding="utf-8")) or {})
+    except (OSError, yaml.YAMLError):
+        return
+    if missing:
+        print(f"warning: {cfg} sets no {' and no '.join(missing)}: trainings and evaluations may run at once; "
+              f"copy the concurrency section of {TEMPLATE} into it", file=sys.stderr)
 
 
 def dagster_args(argv: list[str]) -> list[str] | None:
@@ -69,12 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     args = dagster_args(argv)
     if args is None:
         if argv and argv[0] == "home":
-            print(ensure_home())
+            home = ensure_home()
+            warn_missing_limits(home)
+            print(home)
             return 0
         print(__doc__)
         return 0
     home = ensure_home()
     print(f"DAGSTER_HOME={home}", file=sys.stderr)
+    warn_missing_limits(home)
     if argv[0] in ("materialize", "dev"):
         # A run killed earlier (its process gone) still holds its pool slots: free them, and say
         # who holds the slots this command's steps may wait for (assets/dead_runs.py).
