@@ -16,8 +16,9 @@ group, run in parallel by the multiprocess executor, and a commit op assembles t
 retry resumes from the run's latest checkpoint) and runs in the training pool. Evaluations run in
 the evaluation pool. An artifact that several experiments share (same address) is built by
 whichever asset runs first; the others' materializations are cache hits with the same data
-version (for the fan-out, a group whose cache another run committed meanwhile is skipped). Each step first records its run's process and frees the pool slots of runs
-whose process is gone (:mod:`assets.dead_runs`).
+version (for the fan-out, a group whose cache another run committed meanwhile is skipped).
+Each step first records its run's process and frees the pool slots of runs whose process is
+gone (:mod:`assets.dead_runs`).
 """
 
 import warnings
