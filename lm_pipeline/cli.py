@@ -18,7 +18,6 @@ values parsed as YAML); the config is validated before any compute starts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -161,27 +160,24 @@ def _run_checkpoint(cfg) -> str:
 
 
 def _eval(cfg, ckpt: str, output_dir: str | None) -> int:
-    """Evaluate ``ckpt`` on the config's validation sets, tokenized with the checkpoint's tokenizer."""
+    """Evaluate ``ckpt`` on the config's validation sets, tokenized with the checkpoint's tokenizer:
+    read from the token cache the pipeline built for this data and tokenizer, tokenizing only the
+    sets no cache holds (never the training data; :mod:`lm_pipeline.eval.data`)."""
     from lm_pipeline import fs
     from lm_pipeline.config import load_config
-    from lm_pipeline.data.config import TokenizerConfig
     from lm_pipeline.eval import evaluate_checkpoint, write_report
+    from lm_pipeline.eval.data import eval_datasets
     from lm_pipeline.hf.start import hf_model_config, is_hf_model_dir
-    from lm_pipeline.steps import Pipeline
 
     if is_hf_model_dir(ckpt):  # a Hugging Face model directory: its config.json and its tokenizer
-        model_cfg, tok = hf_model_config(ckpt), TokenizerConfig(kind="hf", name_or_path=ckpt)
+        model_cfg, tok = hf_model_config(ckpt), ckpt
     else:
         model_cfg = load_config(fs.join(ckpt, "config.yaml")).model  # a local dir or a URL
-        tok = TokenizerConfig(kind="hf", name_or_path=fs.join(ckpt, "tokenizer"))
-    cfg = dataclasses.replace(cfg, model=model_cfg, data=dataclasses.replace(cfg.data, tokenizer=tok))
-    pipe = Pipeline(cfg)
-    cache = pipe.token_cache()
-    _, evals, _, _ = pipe.datasets(cache)
+        tok = fs.join(ckpt, "tokenizer")
     ev = cfg.eval
-    df = evaluate_checkpoint(ckpt, evals, batch_size=ev.batch_size, max_eval_batches=ev.max_eval_batches,
-                             compute_dtype=ev.compute_dtype, store_root=cfg.store.root,
-                             train_cache=f"{cache.path}/train" if ev.unigram_baseline else None)
+    data = eval_datasets(cfg, tok, seq_len=model_cfg.seq_len, train=ev.unigram_baseline)
+    df = evaluate_checkpoint(ckpt, data.datasets, batch_size=ev.batch_size, max_eval_batches=ev.max_eval_batches,
+                             compute_dtype=ev.compute_dtype, store_root=cfg.store.root, train_cache=data.train_cache)
     out = output_dir or ev.report_dir or fs.join(ckpt, "eval")
     files = write_report(df, out)
     cols = [c for c in ("dataset", "step", "loss", "perplexity", "bpb", "unigram_bpb", "tokens") if c in df.columns]

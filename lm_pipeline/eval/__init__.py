@@ -5,8 +5,10 @@ Modules: :mod:`~lm_pipeline.eval.config` (the ``eval:`` section; light, no JAX),
 :mod:`~lm_pipeline.eval.loading` (a model from a training checkpoint),
 :mod:`~lm_pipeline.eval.bpb` (bytes of the evaluated tokens), :mod:`~lm_pipeline.eval.unigram`
 (the baseline), :mod:`~lm_pipeline.eval.evaluate` (the evaluation loop) and
-:mod:`~lm_pipeline.eval.report` (report tables). Every public name is importable from
-``lm_pipeline.eval``; the submodules load on first use, so importing the config stays light.
+:mod:`~lm_pipeline.eval.report` (report tables); :mod:`~lm_pipeline.eval.data` finds the
+validation sets' token caches for a checkpoint's tokenizer (building only those no cache holds).
+Every public name is importable from ``lm_pipeline.eval``; the submodules load on first use, so
+importing the config stays light.
 
 Metrics of a validation set (a :class:`~lm_pipeline.batch.SequenceDataset`), over the rows
 evaluated (the first ``max_eval_batches * batch_size`` rows in order; all rows by default):
@@ -51,6 +53,8 @@ _EXPORTS = {
     "UnigramBaseline": "unigram",
     "unigram_baseline": "unigram",
     "unigram_log_probs": "unigram",
+    "EvalData": "data",
+    "eval_datasets": "data",
     "DatasetMetrics": "evaluate",
     "evaluate_checkpoint": "evaluate",
     "evaluate_checkpoints": "evaluate",
