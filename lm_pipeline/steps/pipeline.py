@@ -243,6 +243,10 @@ class Pipeline:
 
             data = self.cfg.data
             if not data.train_sources():
+                if getattr(data, "configs", None):
+                    raise ConfigError("data.configs", "the pipeline does not train on a data mixture yet (the "
+                                      "mixture is validated, its components are not cached or sampled); train on "
+                                      "one source: data.train_urls, data.hf_id or data.builtin")
                 raise ConfigError("data", "no training data: set data.train_urls, data.hf_id or data.builtin")
             root = self.builtin_root if data.builtin else None
             out = {"train": resolve_shards(data, "train", builtin_root=root)}
