@@ -16,6 +16,8 @@ import json
 import os
 import re
 
+from lm_pipeline import fs
+
 __all__ = [
     "checkpoint_problem",
     "hf_model_dir_problem",
@@ -36,13 +38,6 @@ _TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "ad
 
 #: Weights that are pickles: never loaded (PyTorch ``.pt`` / ``.bin`` checkpoints and the like).
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-
-
-def _local(path: str) -> str | None:
-    """The filesystem path of a local path or ``file://`` URL; None for other URLs."""
-    if "://" in path and not path.startswith("file://"):
-        return None
-    return os.path.expanduser(path.removeprefix("file://"))
 
 
 def looks_like_path(text: str) -> bool:
@@ -91,7 +86,7 @@ def tokenizer_problem(name_or_path: str, field: str = "data.tokenizer") -> str |
     """Why the local tokenizer ``name_or_path`` cannot be loaded: it does not exist, is a file, is
     a directory without ``tokenizer.json`` (nor a slow tokenizer's files), or its files are
     corrupt; None when it looks loadable, or is a hub id or URL (not checked here)."""
-    local = _local(name_or_path)
+    local = fs.as_local(name_or_path)
     if local is None:
         return None
     hint = (f"point {field} at a directory holding tokenizer.json (as tokenizer.save_pretrained writes it), "
@@ -121,7 +116,7 @@ def hf_model_dir_problem(source: str, field: str, *, weights: bool = True) -> st
     """Why the local Hugging Face model ``source`` cannot be used: it does not exist, is a file
     (a file is never a model, whatever its name), has no ``config.json`` or an invalid one, or
     (``weights``) no ``*.safetensors``; None when it looks usable, or is a hub id or URL."""
-    local = _local(source)
+    local = fs.as_local(source)
     if local is None:
         return None
     kinds = "a Hugging Face model directory (config.json and *.safetensors weights) or a hub repo id 'org/name[@revision]'"
@@ -146,7 +141,7 @@ def hub_model_problem(source: str, field: str) -> str | None:
     """Why the hub model ``source`` ('org/name[@revision]') cannot be read: the hub cannot be
     reached (checked once, in seconds: :mod:`lm_pipeline.hf.hub`) and the local Hugging Face cache
     does not hold its config.json; None when it can be, or ``source`` is a local path or URL."""
-    local = _local(source)
+    local = fs.as_local(source)
     if local is None or os.path.exists(local) or looks_like_path(source):
         return None
     from lm_pipeline.hf import hub
@@ -163,7 +158,7 @@ def checkpoint_problem(path: str, field: str) -> str | None:
     """Why no checkpoint can be loaded from ``path`` (a run's ``step-<N>`` directory, or any
     directory above such: the latest complete one is used): it does not exist, is a file (a
     PyTorch ``.pt`` is never loaded), or holds no complete checkpoint; None when it holds one."""
-    local = _local(path)
+    local = fs.as_local(path)
     kinds = "a checkpoint written by a training run (a step-<N> directory, or a directory above them)"
     if local is not None:
         if not os.path.exists(local):

@@ -369,3 +369,31 @@ def test_builtin_python_stdlib(tmp_path):
     assert [r["path"] for r in records] == docs["train"] and [r["text"] for r in records] == texts
     with pytest.raises(ConfigError, match="already given by builtin"):
         DataConfig(builtin="python_stdlib", validation={"validation": ("x",)}).validate()
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_builtin_corpus_is_written_once_and_an_interrupted_write_is_redone(tmp_path, where):
+    from lm_pipeline import fs
+    from lm_pipeline.data.builtin import materialize_builtin
+
+    root = str(tmp_path / "b") if where == "local" else f"memory://lmp-builtin-{uuid.uuid4().hex[:8]}"
+    corpus = materialize_builtin("python_stdlib", root, max_bytes=100_000)
+    files = {f: fs.read_bytes(f) for f in (*corpus.train, *corpus.validation, fs.join(corpus.root, "manifest.json"))}
+    assert all(files.values()) and fs.parent(corpus.root) == fs.join(root, "python_stdlib")
+    if where == "local":
+        stamps = {f: os.stat(f).st_mtime_ns for f in files}
+        assert materialize_builtin("python_stdlib", root, max_bytes=100_000) == corpus
+        assert {f: os.stat(f).st_mtime_ns for f in files} == stamps  # reused, not rewritten
+    # a writer killed midway: no manifest yet, a shard cut short
+    fs.remove(fs.join(corpus.root, "manifest.json"))
+    first = corpus.train[0]
+    fs.rmtree(first)
+    fs.put(_write_bytes(tmp_path / "cut", files[first][:100]), first)
+    assert materialize_builtin("python_stdlib", root, max_bytes=100_000) == corpus
+    assert {f: fs.read_bytes(f) for f in files} == files
+    fs.rmtree(root)
+
+
+def _write_bytes(path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)

@@ -20,7 +20,8 @@ Selection (deterministic for a given Python installation):
 
 The content differs between Python versions; that is fine because shard fingerprints are content
 based. The output directory is named by the sha256 of the corpus content (and layout), written
-atomically (temporary directory, then rename) and reused when it already exists.
+once (by one writer at a time, holding the lock beside it; on an object store uploaded from a
+local directory) with its ``manifest.json`` last, and reused when that exists.
 """
 
 from __future__ import annotations
@@ -28,10 +29,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
 import sysconfig
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,34 +194,18 @@ def materialize_builtin(
     }
     from lm_pipeline import fs
 
-    if not fs.is_local(root):  # an object store: written locally, uploaded with manifest.json last
-        target = fs.join(root, name, digest[:16])
-        if not fs.exists(fs.join(target, "manifest.json")):
-            tmp = tempfile.mkdtemp(prefix="lm-pipeline-builtin-")
-            try:
-                _write_corpus(tmp, layout, files, manifest)
-                fs.upload_tree(tmp, target, last=("manifest.json",))
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        return BuiltinCorpus(name=name, root=target, train=tuple(fs.join(target, f) for f in files["train"]),
-                             validation=tuple(fs.join(target, f) for f in files["validation"]), manifest=manifest)
-    target = os.path.join(root, name, digest[:16])
-    if not os.path.isfile(os.path.join(target, "manifest.json")):
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(target))
-        try:
-            _write_corpus(tmp, layout, files, manifest)
-            try:
-                os.rename(tmp, target)
-            except OSError:  # another process won the race; its content is identical
-                if not os.path.isfile(os.path.join(target, "manifest.json")):
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    target = fs.join(root, name, digest[:16])
+    complete = fs.join(target, "manifest.json")  # written last: a corpus with it is whole
+    if not fs.exists(complete):
+        with fs.exclusive_lock(f"{target}.lock"):  # one local writer; object stores: see exclusive_lock
+            if not fs.exists(complete):  # not written by the writer this one waited for
+                with fs.staged(target, last=("manifest.json",)) as local:  # in place, or uploaded
+                    os.makedirs(local, exist_ok=True)
+                    _write_corpus(local, layout, files, manifest)
     return BuiltinCorpus(
         name=name,
         root=target,
-        train=tuple(os.path.join(target, f) for f in files["train"]),
-        validation=tuple(os.path.join(target, f) for f in files["validation"]),
+        train=tuple(fs.join(target, f) for f in files["train"]),
+        validation=tuple(fs.join(target, f) for f in files["validation"]),
         manifest=manifest,
     )

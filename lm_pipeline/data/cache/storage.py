@@ -14,7 +14,7 @@ from typing import Any
 import tensorstore as ts
 
 from lm_pipeline.data.cache.errors import CacheError
-from lm_pipeline.fs import kvstore_spec
+from lm_pipeline.fs import as_local, kvstore_spec
 
 __all__ = [
     "ARRAYS",
@@ -74,13 +74,13 @@ class CacheRoot:
     """A cache location: a local directory (plain files, fsync'ed renames) or a kvstore URL."""
 
     def __init__(self, location: str | os.PathLike):
-        text = os.fspath(location)
-        self.local = "://" not in text or text.startswith("file://")
-        if self.local:
-            self.path = os.path.abspath(text[len("file://") :] if text.startswith("file://") else text)
+        local = as_local(location)  # plain files where the filesystem is this machine's (mmap, flock, fsync)
+        self.local = local is not None
+        if local is not None:
+            self.path = local
             self._kv = None
         else:
-            self.path = text.rstrip("/")
+            self.path = os.fspath(location).rstrip("/")
             self._kv = ts.KvStore.open(kvstore_spec(self.path), context=_context()).result()
 
     def __str__(self) -> str:

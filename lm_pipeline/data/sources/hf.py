@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lm_pipeline import fs
 from lm_pipeline.data.sources.readers import ReaderSettings
-from lm_pipeline.data.sources.streams import local_path, sha256_of
+from lm_pipeline.data.sources.streams import local_path
 from lm_pipeline.data.validation import RawRecord
-from lm_pipeline.fs import is_local
 from lm_pipeline.schema import ConfigError
 
 __all__ = ["HFSpec", "content_identity", "is_disk_dataset", "iter_hf", "load_hf"]
@@ -89,11 +89,11 @@ def load_hf(spec: HFSpec) -> Any:
 
 
 def _on_hub(datasets: Any, path: str) -> bool:
-    """Whether ``load_dataset(path)`` reads the hub: not a local directory or file, not a builder
-    that ships with ``datasets`` ('json', 'parquet', ...)."""
+    """Whether ``load_dataset(path)`` reads the hub: not a URL, not a local directory or file, not a
+    builder that ships with ``datasets`` ('json', 'parquet', ...)."""
     from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 
-    return not os.path.exists(local_path(path)) and path not in _PACKAGED_DATASETS_MODULES
+    return not fs.scheme(path) and not os.path.exists(local_path(path)) and path not in _PACKAGED_DATASETS_MODULES
 
 
 def _load_dataset(datasets: Any, spec: HFSpec) -> Any:
@@ -103,12 +103,12 @@ def _load_dataset(datasets: Any, spec: HFSpec) -> Any:
     from lm_pipeline.inputs import looks_like_path
 
     hub_id = _on_hub(datasets, spec.path)
-    if hub_id and "://" not in spec.path and looks_like_path(spec.path):
+    if hub_id and looks_like_path(spec.path):
         raise ConfigError("data.hf_id", f"'{spec.path}' does not exist; data.hf_id takes a directory written by "
                           "save_to_disk, a hub dataset id 'org/name', or a builder ('json', 'parquet', ...) with "
                           "data.hf_data_files")
     offline = None
-    if hub_id and "://" not in spec.path:
+    if hub_id:
         from lm_pipeline.hf import hub
 
         offline = hub.unreachable()
@@ -148,7 +148,7 @@ def _disk_fingerprint(path: str) -> str:
     sha = hashlib.sha256()
     for name in sorted(os.listdir(path)):
         if name.endswith(".arrow"):
-            sha.update(name.encode() + b"\0" + sha256_of(os.path.join(path, name)).encode())
+            sha.update(name.encode() + b"\0" + fs.sha256_of(os.path.join(path, name)).encode())
     return sha.hexdigest()
 
 
@@ -158,7 +158,8 @@ def _hub_commit(spec: HFSpec) -> str:
     if spec.data_files:  # a builder ('json', 'parquet', ...) over files: hash local ones
         out = []
         for f in spec.data_files:
-            out.append(sha256_of(f) if is_local(f) and os.path.isfile(local_path(f)) else f)
+            local = fs.as_local(f)  # a file here is named by its content; a URL or a hub pattern by itself
+            out.append(fs.sha256_of(local) if local is not None and os.path.isfile(local) else f)
         return hashlib.sha256("\n".join(out).encode()).hexdigest()
     try:
         from huggingface_hub import HfApi

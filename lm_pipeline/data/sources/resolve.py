@@ -25,7 +25,7 @@ from lm_pipeline.data.sources.hf import HFSpec, content_identity, is_disk_datase
 from lm_pipeline.data.sources.readers import ReaderSettings, infer_format
 from lm_pipeline.data.sources.shard import Shard, shard_fingerprint
 from lm_pipeline.data.sources.streams import local_path
-from lm_pipeline.fs import is_local
+from lm_pipeline.fs import is_local, norm
 from lm_pipeline.schema import ConfigError
 
 __all__ = ["expand_urls", "resolve_shards", "split_names", "validation_sets"]
@@ -48,6 +48,8 @@ _MAGIC = re.compile(r"[*?\[]")
 
 def _expand_one(pattern: str, where: str) -> list[tuple[str, bool]]:
     """Files for one brace-expanded pattern: [(url, is_dataset_dir)]."""
+    # Local matches keep the config's spelling (relative stays relative, file:// stays): shard names
+    # enter fingerprints, and fsspec's local filesystem would make them absolute.
     if is_local(pattern):
         prefix = "file://" if pattern.startswith("file://") else ""
         path = local_path(pattern)
@@ -120,7 +122,7 @@ def expand_urls(urls: Iterable[str], where: str = "data.train_urls") -> list[tup
     for u in urls:
         for pattern in braceexpand(u):
             for url, is_ds in _expand_one(pattern, where):
-                key = os.path.abspath(local_path(url)) if is_local(url) else url
+                key = norm(url)
                 if key in seen:
                     raise ConfigError(where, f"{url!r} is listed twice")
                 seen.add(key)

@@ -23,6 +23,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 
+from lm_pipeline import fs
 from lm_pipeline.data.sources.hf import HFSpec, iter_hf
 from lm_pipeline.data.sources.readers import READER_VERSION, ReaderSettings, read_parquet, read_records
 from lm_pipeline.data.sources.streams import (
@@ -30,7 +31,6 @@ from lm_pipeline.data.sources.streams import (
     HashingReader,
     decompress,
     open_raw,
-    sha256_of,
 )
 from lm_pipeline.data.validation import (
     DataValidationError,
@@ -111,7 +111,7 @@ class Shard:
             if self.hf is not None:  # pragma: no cover - HF shards get theirs at resolve time
                 raise RuntimeError(f"{self.name}: Hugging Face shard without a fingerprint")
             if self._raw_sha256 is None:
-                self._raw_sha256 = sha256_of(self.url)
+                self._raw_sha256 = fs.sha256_of(self.url)
             self._fingerprint = shard_fingerprint(self.settings, self._raw_sha256, self.hf)
         return self._fingerprint
 

@@ -1,8 +1,8 @@
 """Byte streams of shard files: open a local path or fsspec URL, decompress, hash while reading.
 
-Local paths (and ``file://``) are opened directly; other URLs (``memory://``, ``gs://``, ``s3://``
-...) through fsspec. Compression is gzip or zstd. Hashes are sha256 of the raw (still
-compressed) bytes, hex-encoded.
+Files are opened through :mod:`lm_pipeline.fs` (local paths and ``file://`` directly, other URLs
+through fsspec). Compression is gzip or zstd. Hashes are sha256 of the raw (still compressed)
+bytes, hex-encoded (:func:`lm_pipeline.fs.sha256_of` for a whole file).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ __all__ = [
     "decompress",
     "local_path",
     "open_raw",
-    "sha256_of",
 ]
 
 BLOCK = 1 << 20  # bytes per read while hashing
@@ -97,13 +96,3 @@ def _corrupt_stream_errors() -> tuple[type[BaseException], ...]:
 #: What a truncated or corrupt compressed stream raises while being read.
 CORRUPT_STREAM_ERRORS = _corrupt_stream_errors()
 
-
-def sha256_of(url: str) -> str:
-    """Hex sha256 of the raw bytes at ``url``."""
-    sha = hashlib.sha256()
-    with open_raw(url) as f:
-        while True:
-            data = f.read(BLOCK)
-            if not data:
-                return sha.hexdigest()
-            sha.update(data)
