@@ -352,6 +352,37 @@ def test_setup_logging_is_idempotent_and_masks_secrets(tmp_path, monkeypatch):
         root.setLevel(level)
 
 
+def test_setup_logging_on_an_object_store_uploads_the_log_and_continues_it():
+    import uuid
+
+    from lm_pipeline import fs
+
+    root = logging.getLogger()
+    before = list(root.handlers)
+    level = root.level
+    log_dir = f"memory://lmp-logs-{uuid.uuid4().hex[:8]}/logs"
+
+    def close_ours() -> None:
+        for h in list(root.handlers):
+            if h not in before:
+                root.removeHandler(h)
+                h.close()
+
+    try:
+        for run in (1, 2):  # a resumed run continues the same file
+            path = setup_logging(log_dir, "run-1")
+            assert os.path.isfile(path) and setup_logging(log_dir, "run-1") == path  # a local file, one handler
+            logging.getLogger("lm_pipeline.test").info("line of attempt %d", run)
+            close_ours()  # logging.shutdown at exit: the last upload
+        text = fs.read_text(f"{log_dir}/run-1.log")
+        assert "line of attempt 1" in text and "line of attempt 2" in text
+        assert text.index("line of attempt 1") < text.index("line of attempt 2")
+    finally:
+        close_ours()
+        root.setLevel(level)
+        fs.rmtree(log_dir)
+
+
 def test_redact_removes_secret_keys_and_values(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-value-xyz")
     monkeypatch.setenv("AWS_REGION", "us-east-1x")

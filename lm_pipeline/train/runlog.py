@@ -10,11 +10,11 @@ log records.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -108,24 +108,20 @@ def setup_logging(log_dir: str, run_id: str, level: int = logging.INFO) -> str:
     file handler there. A stderr handler is added only if the root logger has none already.
     Handlers installed here mask secret environment values.
     """
-    remote = None if fs.is_local(log_dir) else fs.join(log_dir, f"{run_id}.log")
-    if remote is None:
-        path = os.path.abspath(os.path.join(fs.local_path(log_dir), f"{run_id}.log"))
-    else:  # an object store cannot append: a local file, uploaded whole now and then and at exit
-        path = os.path.join(tempfile.gettempdir(), "lm-pipeline-logs", f"{run_id}.log")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    target = fs.norm(fs.join(log_dir, f"{run_id}.log"))
     root = logging.getLogger()
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    have_file = False
+    path = None
     for h in list(root.handlers):
         if getattr(h, _HANDLER_TAG, None) == "file":
-            if getattr(h, "baseFilename", None) == path:
-                have_file = True
+            if getattr(h, "target", None) == target:
+                path = h.baseFilename
             else:
                 root.removeHandler(h)
                 h.close()
-    if not have_file:
-        fh = logging.FileHandler(path, encoding="utf-8") if remote is None else _PublishingFileHandler(path, remote)
+    if path is None:
+        fh = _PublishingFileHandler(target)
+        path = fh.baseFilename
         fh.setFormatter(fmt)
         fh.addFilter(_RedactingFilter())
         setattr(fh, _HANDLER_TAG, "file")
@@ -147,12 +143,15 @@ def setup_logging(log_dir: str, run_id: str, level: int = logging.INFO) -> str:
 
 
 class _PublishingFileHandler(logging.FileHandler):
-    """A log file kept locally and uploaded whole to ``url`` at most every ``every`` seconds and
-    when the handler is closed (``logging.shutdown`` at exit)."""
+    """The log file ``target`` (a local path or URL) as an :class:`lm_pipeline.fs.AppendFile`: records
+    go to its local file (the file itself, or on an object store, which cannot append, a local copy
+    of it uploaded whole at most every ``every`` seconds and when the handler is closed:
+    ``logging.shutdown`` at exit)."""
 
-    def __init__(self, path: str, url: str, every: float = 30.0):
-        super().__init__(path, encoding="utf-8")
-        self.url, self.every = url, every
+    def __init__(self, target: str, every: float = 30.0):
+        self._file = fs.AppendFile(target)
+        self.target, self.every = self._file.path, every
+        super().__init__(self._file.local_file, encoding="utf-8")
         self._last = time.monotonic()
         self._publishing = False
 
@@ -161,7 +160,7 @@ class _PublishingFileHandler(logging.FileHandler):
             return
         self._publishing = True
         try:
-            fs.put(self.baseFilename, self.url)
+            self._file.publish()
             self._last = time.monotonic()
         except Exception:  # noqa: BLE001 - a log upload must never fail the run; the local file stays
             pass
@@ -176,5 +175,6 @@ class _PublishingFileHandler(logging.FileHandler):
 
     def close(self) -> None:
         super().close()
-        if os.path.isfile(self.baseFilename):
-            self._publish()
+        self._publishing = True  # the last upload's own log records start no other
+        with contextlib.suppress(Exception):  # as in _publish: a log upload never fails the run
+            self._file.close()  # publishes a last time
