@@ -153,7 +153,7 @@ def test_documented_commands_materialize_train_ckpt_then_everything(tmp_path):
     run first (Dagster has no materialization of its upstream), with no traceback, and trains
     nothing; ``--select '*train_ckpt'`` (it and everything upstream) trains through Pipes; then
     the named job for all six and the comparison; then the first command as typed succeeds (a
-    cache hit); then the job again: all hits, quickly."""
+    cache hit), and ``dg launch --assets train_ckpt`` too; then the job again: all hits, quickly."""
     experiment = pt.write_config(tmp_path)
     home = tmp_path / "dagster_home"
     env = pt.subprocess_env(tmp_path, experiment, mode="pipes", dagster_home=home)
@@ -202,12 +202,18 @@ def test_documented_commands_materialize_train_ckpt_then_everything(tmp_path):
 
     _run(cmd, env)  # the first command, as typed: now its inputs are recorded, a cache hit
     with _instance(home) as instance:
-        m = instance.get_latest_materialization_event(_key("train_ckpt")).asset_materialization
+        event = instance.get_latest_materialization_event(_key("train_ckpt"))
+        m, m_run = event.asset_materialization, event.run_id
         assert m.metadata["cache_hit"].value is True
         assert m.tags["dagster/data_version"] == first["train_ckpt"].tags["dagster/data_version"]
         check = instance.event_log_storage.get_latest_asset_check_execution_by_key(
             [dg.AssetCheckKey(_key("train_ckpt"), "final_loss")])[dg.AssetCheckKey(_key("train_ckpt"), "final_loss")]
         assert check.status.value in ("SUCCEEDED", "FAILED")  # the check ran (a tiny run may not beat unigram)
+    # the same with dg (dagster-dg-cli, [tool.dg] in pyproject.toml: this repository is the project)
+    _run([str(Path(sys.executable).parent / "dg"), "launch", "--assets", _name("train_ckpt")], env)
+    with _instance(home) as instance:
+        again_by_dg = instance.get_latest_materialization_event(_key("train_ckpt"))
+        assert again_by_dg.run_id != m_run and again_by_dg.asset_materialization.metadata["cache_hit"].value is True
 
     t0 = time.perf_counter()
     _run(_dagster("job", "execute", "-m", "assets.definitions", "-j", "pipeline"), env)
