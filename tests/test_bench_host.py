@@ -1,10 +1,12 @@
 """Every benchmark says where it ran: bench/common.py's host helper parses /proc/cpuinfo texts (an
 Intel Xeon with AVX-512 and AMX, an AMD EPYC with AVX2 only), and every bench script prints its
-line and puts its fields into the RESULT json."""
+line and puts its fields into the RESULT json. bench/quality_per_time.py's smoke run (slow tier)."""
 
 import ast
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -101,3 +103,23 @@ def test_every_bench_script_reports_its_host(script):
     imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "common"]
     assert any({"host_info", "host_line"} <= {a.name for a in n.names} for n in imports), script
 
+
+@pytest.mark.slow  # one tiny end-to-end CLI run from an empty store, and its evaluation (about 20-40 s)
+def test_quality_per_time_smoke(tmp_path):
+    out = subprocess.run([sys.executable, str(BENCH / "quality_per_time.py"), "--smoke", "--work-root", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("cpu: ") and lines[-1].startswith("RESULT ")
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert res["smoke"] is True and res["ratio"] is None and res["nanogpt"] is None
+    assert set(res["cpu"]) == {"model", "isa", "cores"}
+    v = res["variants"]["default"]
+    assert v["steps"] == 24 and v["batch"] == 12 and v["tokens"] == 24 * 12 * 64
+    assert 0 < v["bpb"] < 10 and 0 < v["in_run_bpb"] < 10 and abs(v["bpb"] - v["in_run_bpb"]) < 0.2
+    ph = v["phases_s"]
+    for k in ("start", "raw_shards", "tokenizer", "token_cache", "setup", "steps", "eval", "finish"):
+        assert ph[k] is not None and ph[k] >= 0, k
+    # the phases account for the whole run (log timestamps are to the millisecond)
+    assert abs(sum(x for k, x in ph.items() if k != "steady_step_s") - v["wall_s"]) < 0.5
+    assert list(tmp_path.iterdir()) == []  # stores, corpus and logs removed
