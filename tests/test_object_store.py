@@ -350,8 +350,9 @@ def test_whole_pipeline_on_s3_builds_hits_and_exports(s3_bucket, s3_server, tmp_
         assert json.loads(objects[f"{key}/manifest.json"])["fingerprint"] == r.fingerprint
     run_key = run_dir.removeprefix(f"s3://{s3_bucket.name}/")
     assert {f"{run_key}/step-3/checkpoint.json", f"{run_key}/step-6/checkpoint.json"} <= set(objects)
-    assert {"hf/step-3/config.json", "hf/step-6/config.json", "hf/step-6/model.safetensors"} <= set(objects)
-    assert objects["hf/step-6/model.safetensors"] == objects[
+    hf = f"hf/{built['train_ckpt'].manifest['run_id']}"  # <hf_save_path>/<run id>/step-<N>
+    assert {f"{hf}/step-3/config.json", f"{hf}/step-6/config.json", f"{hf}/step-6/model.safetensors"} <= set(objects)
+    assert objects[f"{hf}/step-6/model.safetensors"] == objects[
         built["hf_export"].path.removeprefix(f"s3://{s3_bucket.name}/") + "/model.safetensors"]
 
     # A second run over the bucket: every stage a cache hit, and not one object written.
