@@ -29,7 +29,7 @@ from lm_pipeline import faultpoints
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
 
 RERUN_BOUND_S = 240  # the whole uninterrupted command takes about 50 s on a 2-core machine
-TRAIN_STEP = "tiny__train_ckpt"  # the experiment file is tiny.yaml: keys tiny/<stage>
+TRAIN_STEP = "train_ckpt"  # the one experiment of LM_PIPELINE_EXPERIMENT is the default: bare keys
 
 
 def _main_command(experiment, store: Path, home: Path, extra: dict[str, str] | None = None) -> subprocess.Popen:
@@ -83,7 +83,7 @@ def test_killed_main_command_frees_its_pool_slot_and_the_rerun_resumes(experimen
     assert proc.returncode == 0, out[-4000:]
     assert "blocked by limit for pool" not in out, out[-4000:]
     freed = [line for line in out.splitlines() if line.startswith(f"run {dead.run_id}: its process (pid {pid} on ")]
-    assert freed and "is gone; marked failed, its pool slots (lm_pipeline_training: tiny__train_ckpt) freed" in freed[0], \
+    assert freed and f"is gone; marked failed, its pool slots (lm_pipeline_training: {TRAIN_STEP}) freed" in freed[0], \
         out[:3000]
     assert f"resumed from {run_dir / 'step-2'} at step 2" in out, "the re-run did not resume from step 2's checkpoint"
 
