@@ -47,10 +47,11 @@ several bytes each, so it reads more text; both counts are reported.
 Where our time goes (from the run's log timestamps and ``metrics.jsonl``): ``start`` (process,
 imports, tcmalloc re-exec), ``config`` (the config, the stage table, JAX's import),
 ``raw_shards`` (the built-in corpus materialised and validated),
-``tokenizer`` (BPE training), ``token_cache``, ``setup`` (mesh, step functions, state init),
-``compile`` (the first logging window's excess over the steady step time: the train step's
-compilation and first-step overheads), ``steps`` (steady step time x steps), ``eval`` (the final
-evaluation), ``finish`` (checkpoint, plots, exit).
+``tokenizer`` (BPE training), ``token_cache``, ``setup`` (mesh, batch source, step functions),
+``compile`` (the state's initialisation and the first logging window's excess over the steady
+step time: the train step's compilation and first-step overheads), ``steps`` (the rest of the
+training loop), ``eval`` (the final evaluation, its compilation included), ``finish``
+(checkpoint, plots, manifest, exit).
 
 Rounds alternate the two sides (``--rounds``), so a busy stretch of a shared machine hits both;
 each run records the load average before and after and the cores other processes used during it
@@ -328,10 +329,16 @@ def phases(log_text: str, t_start: float, wall: float, metrics: list[dict], step
     evals = [m for m in metrics if "eval/seconds" in m]
     eval_s = evals[-1]["eval/seconds"] if evals else 0.0
     if eval_at is not None:
-        loop = eval_at - prev - eval_s  # from the first step's start to the final evaluation's start
+        loop = eval_at - prev - eval_s  # state init, then every step, up to the final evaluation
         if steady is not None:
-            out["steps"] = steady * steps
-            out["compile"] = max(0.0, loop - out["steps"])
+            # Each logged row covers the steps since the previous one; the first also the
+            # compilation of the step (and the state's initialisation runs before it).
+            first = train_rows[0]
+            first_excess = max(0.0, first["throughput/step_seconds"] * first["step"] - steady * first["step"])
+            windows = sum(m["throughput/step_seconds"] * (m["step"] - p["step"])
+                          for p, m in zip([{"step": 0}, *train_rows], train_rows, strict=False))
+            out["compile"] = max(0.0, loop - windows) + first_excess
+            out["steps"] = loop - out["compile"]
         else:
             out["steps"] = loop
         out["eval"] = eval_s
@@ -611,7 +618,7 @@ def main(argv: list[str] | None = None) -> None:
             "target_met": met, "same_tokens": same_tokens, "steps": rows[0]["steps"], "batch": rows[0]["batch"], "tokens": rows[0]["tokens"],
             "train_bytes_seen": round(seen) if seen else None,
             "bytes_per_token": round(_med(rows, "train_bytes_per_token") or 0, 3),
-            "phases_s": {k: round(v, 3) if v is not None else None for k, v in _phase_medians(rows).items()},
+            "phases_s": {k: round(v, 5 if k == "steady_step_s" else 3) if v is not None else None for k, v in _phase_medians(rows).items()},
             "cpu_s": round(_med(rows, "cpu_s"), 2), "steady_gflops": _round(_med(rows, "steady_gflops"), 1),
             "cpu_share": round(_med(rows, "cpu_share"), 3), "others_cores": round(_med(rows, "others_cores"), 3),
             "loads": [[round(r["load_before"], 2), round(r["load_after"], 2)] for r in rows],
