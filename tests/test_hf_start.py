@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from helpers.data import sample_texts, tiny_tokenizer
+from helpers.hf_reference import our_loss, torch_loss_and_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -95,22 +96,6 @@ store:
   root: {store}
 """)
     return path
-
-
-def torch_loss_and_logits(hf_dir: str, tokens: np.ndarray) -> tuple[float, np.ndarray]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        x = torch.tensor(np.asarray(tokens, np.int64))
-        out = model(x, labels=x)
-    return float(out.loss), out.logits.numpy()
-
-
-def our_loss(model, tokens: np.ndarray) -> tuple[float, np.ndarray]:
-    logits = np.asarray(jax.jit(lambda m, x: m(x))(model, np.asarray(tokens, np.int32)), np.float64)
-    lp = logits[:, :-1] - np.log(np.exp(logits[:, :-1] - logits[:, :-1].max(-1, keepdims=True)).sum(-1,
-                                 keepdims=True)) - logits[:, :-1].max(-1, keepdims=True)
-    nll = -np.take_along_axis(lp, np.asarray(tokens)[:, 1:, None], -1)
-    return float(nll.mean()), logits
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
