@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import resource
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,3 +180,30 @@ def loadavg() -> float:
 
 def fmt_rate(x: float) -> str:
     return f"{x / 1e3:,.1f}k" if x >= 1e4 else f"{x:,.0f}"
+
+
+# --- log timestamps -------------------------------------------------------------------------
+
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(,\d{3})? ")  # Python logging's and Dagster's
+
+
+def log_time(line: str) -> float | None:
+    """The epoch time a log line starts with (``2026-11-26 18:00:00,123 ...``), None without one."""
+    m = _LOG_TIME.match(line)
+    if not m:
+        return None
+    t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+    return t + (int(m.group(2)[1:]) / 1000 if m.group(2) else 0.0)
+
+
+def log_marks(log_text: str, marks: tuple[tuple[str, str], ...]) -> dict[str, float]:
+    """For each ``(name, regex)`` of ``marks``, the time of the first timestamped line it matches."""
+    found: dict[str, float] = {}
+    for line in log_text.splitlines():
+        t = log_time(line)
+        if t is None:
+            continue
+        for name, pattern in marks:
+            if name not in found and re.search(pattern, line):
+                found[name] = t
+    return found

@@ -92,11 +92,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, _machine_busy_s, host_info, host_line, loadavg  # noqa: E402
+from common import ROOT, _machine_busy_s, host_info, host_line, loadavg, log_marks, log_time  # noqa: E402
 
 PY = sys.executable
 CLI = str(Path(PY).with_name("lm-pipeline"))
@@ -108,7 +107,6 @@ NANOGPT_RECIPE = ("--device=cpu", "--compile=False", "--eval_iters=20", "--log_i
 MODEL = {"layers": 4, "heads": 4, "width": 128, "ctx": 64}
 RECIPE_TOKENS = (2000 + 1) * 12 * 64  # nanoGPT runs iterations 0..max_iters inclusive
 DEFAULT_VARIANT = "default:vocab=512,batch=12,lr=1e-3"
-_TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
 #: (phase, the log line that ends it); a phase whose line is missing merges into the next.
 MARKS = (
     ("start", r"lm_pipeline\.cli: allocator"),
@@ -231,13 +229,6 @@ def wait_for_quiet(below: float | None, max_wait_s: float) -> float:
     return time.perf_counter() - t0
 
 
-def _stamp(line: str) -> float | None:
-    m = _TS.match(line)
-    if not m:
-        return None
-    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2)) / 1000
-
-
 # ----------------------------------------------------------------------------- ours
 
 
@@ -308,17 +299,9 @@ def _ours_env(args, base: Path) -> dict:
 
 def phases(log_text: str, t_start: float, wall: float, metrics: list[dict], steps: int, log_every: int) -> dict:
     """Where the run's wall time went (s), from its log's timestamps and its logged step times."""
-    found: dict[str, float] = {}
-    eval_at = None
-    for line in log_text.splitlines():
-        t = _stamp(line)
-        if t is None:
-            continue
-        for name, pattern in MARKS:
-            if name not in found and re.search(pattern, line):
-                found[name] = t
-        if "lm_pipeline.train.run: eval at step" in line:
-            eval_at = t
+    found = log_marks(log_text, MARKS)
+    evals = [log_time(line) for line in log_text.splitlines() if "lm_pipeline.train.run: eval at step" in line]
+    eval_at = next((t for t in reversed(evals) if t is not None), None)  # the last evaluation's start
     out, prev = {}, t_start
     for name, _ in MARKS:
         if name in found:

@@ -41,24 +41,21 @@ import argparse
 import glob
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from common import host_info, host_line  # noqa: E402
+from common import host_info, host_line, log_marks  # noqa: E402
 
 PY = sys.executable
 CLI = str(Path(PY).with_name("lm-pipeline"))
 MODES = ("off", "cold", "warm")
-_TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(,\d{3})? ")  # Python logging's and Dagster's
 #: (phase, the log line that ends it), in order; a phase whose line is missing merges into the next.
 MARKS = (
     ("dagster", r"RUN_START"),  # pipeline: the Dagster CLI loaded the definitions and started the run
@@ -74,14 +71,6 @@ def _loadavg() -> str:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:
         return "?"
-
-
-def _stamp(line: str) -> float | None:
-    m = _TS.match(line)
-    if not m:
-        return None
-    t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
-    return t + (int(m.group(2)[1:]) / 1000 if m.group(2) else 0.0)
 
 
 def _first_step(store: str, deadline: float, proc: subprocess.Popen) -> tuple[float | None, dict]:
@@ -105,23 +94,10 @@ def _first_step(store: str, deadline: float, proc: subprocess.Popen) -> tuple[fl
     return None, {}
 
 
-def _marks(log_text: str) -> dict[str, float]:
-    """The time of the first line of each of :data:`MARKS` found in the log."""
-    found: dict[str, float] = {}
-    for line in log_text.splitlines():
-        t = _stamp(line)
-        if t is None:
-            continue
-        for name, pattern in MARKS:
-            if name not in found and re.search(pattern, line):
-                found[name] = t
-    return found
-
-
 def _phases(log_text: str, t0: float, t_first: float, step1: float) -> dict[str, float]:
     """Phase durations from the log's timestamps (a phase whose line is missing merges forward;
     Dagster's own lines have whole seconds)."""
-    found = _marks(log_text)
+    found = log_marks(log_text, MARKS)
     out: dict[str, float] = {}
     prev = t0
     for name, t in [*((n, found.get(n)) for n, _ in MARKS), ("prepare", t_first - step1)]:
@@ -163,7 +139,7 @@ def _run_once(target: str, mode: str, args, work: Path, xla_dir: str | None) -> 
     step1 = float(rec.get("throughput/step_seconds", 0.0))
     # The training stage's own time to first step: from the start of Dagster's train_ckpt step
     # (the pipeline), or the whole process (the CLI, which is the training stage).
-    stage_start = _marks(text).get("upstream") if target == "pipeline" else None
+    stage_start = log_marks(text, MARKS).get("upstream") if target == "pipeline" else None
     stage = t_first - stage_start if stage_start is not None else t_first - t0
     return {"ttfs": t_first - t0, "stage": stage, "phases": _phases(text, t0, t_first, step1), "total": time.time() - t0}
 
