@@ -178,6 +178,15 @@ def era_permutation(size: int, seed: int, era: int) -> np.ndarray:
     return perm
 
 
+def check_process_slice(batch_size: int, process_index: int, process_count: int) -> None:
+    """Each of ``process_count`` processes reads an equal slice of a step's ``batch_size`` rows;
+    raises ValueError when ``process_index`` or the division does not fit."""
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} is not in [0, process_count={process_count})")
+    if batch_size % process_count:
+        raise ValueError(f"batch_size {batch_size} is not divisible by process_count {process_count}")
+
+
 class StepBatchSource:
     """Batches indexed by step: ``batch(k)`` is a pure function of (dataset, seed, k).
 
@@ -207,10 +216,7 @@ class StepBatchSource:
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if not 0 <= process_index < process_count:
-            raise ValueError(f"process_index {process_index} is not in [0, process_count={process_count})")
-        if batch_size % process_count:
-            raise ValueError(f"batch_size {batch_size} is not divisible by process_count {process_count}")
+        check_process_slice(batch_size, process_index, process_count)
         if shuffle not in SHUFFLES:
             raise ValueError(f"shuffle must be one of {', '.join(SHUFFLES)}, got {shuffle!r}")
         if era_length < 1:

@@ -83,6 +83,21 @@ def storage_error(exc: BaseException, what: str, where: str) -> StorageError | N
                         "complete artifacts are untouched and this one is not marked complete")
 
 
+@contextlib.contextmanager
+def naming_storage_errors(what: str, where: str) -> Iterator[None]:
+    """Inside: a storage failure (disk full, read-only, quota, permissions) is raised as the
+    :class:`StorageError` :func:`storage_error` words; other exceptions pass through unchanged."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except Exception as e:
+        clear = storage_error(e, what, where)
+        if clear is None:
+            raise
+        raise clear from e
+
+
 @dataclass(frozen=True)
 class Artifact:
     stage: str

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lm_pipeline.batch import LmBatch, SequenceDataset, StepBatchSource
+from lm_pipeline.batch import LmBatch, SequenceDataset, StepBatchSource, check_process_slice
 from lm_pipeline.data.config import MAX_MIXTURE_BLOCK_SIZE, STOP_STRATEGIES
 
 if TYPE_CHECKING:
@@ -366,10 +366,7 @@ class MixtureBatchSource:
         shuffle: str = "epoch",
         era_length: int = 4096,
     ):
-        if not 0 <= process_index < process_count:
-            raise ValueError(f"process_index {process_index} is not in [0, process_count={process_count})")
-        if batch_size % process_count:
-            raise ValueError(f"batch_size {batch_size} is not divisible by process_count {process_count}")
+        check_process_slice(batch_size, process_index, process_count)
         if stop_strategy not in STOP_STRATEGIES:
             raise ValueError(f"stop_strategy must be one of {', '.join(STOP_STRATEGIES)}, got {stop_strategy!r}")
         self.mixture = Mixture(list(datasets), train_weights, batch_size=batch_size, block_size=block_size, seed=seed)

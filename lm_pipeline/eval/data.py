@@ -162,13 +162,13 @@ def _build_eval_cache(pipe: Pipeline, name: str, shards: Sequence[Shard], tokeni
     address: a second builder waits, then finds it complete); its location."""
     from lm_pipeline.data.cache import build_cache
     from lm_pipeline.steps.builders import ledger_counts
-    from lm_pipeline.store import StorageError, storage_error
+    from lm_pipeline.store import naming_storage_errors
 
     store = pipe.store
     fp = eval_cache_fingerprint(info, plan)
     art = store.artifact(EVAL_CACHE_STAGE, fp)
     where = f"{art.path}/{CACHE_SUBDIR}"
-    try:
+    with naming_storage_errors(f"{EVAL_CACHE_STAGE} {fp}", art.path):
         with store.lock(art):
             if store.manifest(EVAL_CACHE_STAGE, fp) is None:
                 log.info("eval: tokenizing validation set %r (%d shards) with the checkpoint's tokenizer into %s",
@@ -180,13 +180,6 @@ def _build_eval_cache(pipe: Pipeline, name: str, shards: Sequence[Shard], tokeni
                                    "inputs": {}, "code_version": EVAL_CACHE_VERSION,
                                    "summary": {"validation_set": name, **ledger_counts(ledger)},
                                    "cache": where})
-    except StorageError:
-        raise
-    except Exception as e:
-        clear = storage_error(e, f"{EVAL_CACHE_STAGE} {fp}", art.path)
-        if clear is None:
-            raise
-        raise clear from e
     return where
 
 

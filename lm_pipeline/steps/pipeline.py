@@ -32,7 +32,7 @@ from lm_pipeline.steps.plan import plan as _plan
 from lm_pipeline.steps.plan import plan_text as _plan_text
 from lm_pipeline.steps.result import Address, StageResult
 from lm_pipeline.steps.stages import STAGES, Stage, stage_table
-from lm_pipeline.store import ArtifactStore, StorageError, storage_error
+from lm_pipeline.store import ArtifactStore, naming_storage_errors
 
 log = logging.getLogger(__name__)
 
@@ -360,7 +360,7 @@ class Pipeline:
             log.info("%s %s: cache hit (%s)", name, addr.fingerprint, path)
             return StageResult(name, addr.fingerprint, path, True, manifest, time.perf_counter() - t0)
         follower = name in DISTRIBUTED_STAGES and process_index(self.cfg) > 0
-        try:
+        with naming_storage_errors(f"{name} {addr.fingerprint}", art.path):
             with contextlib.nullcontext() if follower else self.store.lock(art):
                 manifest = self.store.manifest(name, addr.fingerprint)  # another writer may have finished
                 if manifest is not None:
@@ -373,13 +373,6 @@ class Pipeline:
                         "summary": summary, "seconds": round(time.perf_counter() - t0, 3), **extra}
                 manifest = ({"stage": name, "fingerprint": addr.fingerprint, **info} if follower
                             else self.store.commit(art, info))
-        except StorageError:
-            raise
-        except Exception as e:
-            clear = storage_error(e, f"{name} {addr.fingerprint}", art.path)
-            if clear is None:
-                raise
-            raise clear from e
         return StageResult(name, addr.fingerprint, art.path, False, manifest, time.perf_counter() - t0)
 
     def build(self, name: str, **options: Any) -> StageResult:
