@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
 T = TypeVar("T")
@@ -35,6 +36,34 @@ class ConfigError(ValueError):
         if not prefix:
             return self
         return ConfigError(f"{prefix}.{self.path}" if self.path else prefix, self.message)
+
+
+class ConfigProblems(ConfigError):
+    """Several problems of one config, reported together: ``problems`` holds one
+    :class:`ConfigError` per problem, each naming its field; ``path`` is the first one's."""
+
+    def __init__(self, problems: Sequence[ConfigError]):
+        self.problems = tuple(problems)
+        self.path = self.problems[0].path
+        self.message = "; ".join(f"'{p.path}': {p.message}" for p in self.problems)
+        ValueError.__init__(self, f"{len(self.problems)} problems: " + "; ".join(str(p) for p in self.problems))
+
+    def prefixed(self, prefix: str) -> ConfigProblems:
+        return ConfigProblems([p.prefixed(prefix) for p in self.problems])
+
+
+def flat_problems(problems: Sequence[ConfigError]) -> list[ConfigError]:
+    """Each single problem of ``problems`` (a :class:`ConfigProblems` contributes each of its own)."""
+    return [q for p in problems for q in (p.problems if isinstance(p, ConfigProblems) else (p,))]
+
+
+def raise_problems(problems: Sequence[ConfigError]) -> None:
+    """Raise the one problem as it is, several as one :class:`ConfigProblems`; nothing if none."""
+    problems = flat_problems(problems)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ConfigProblems(problems)
 
 
 def field(
@@ -236,20 +265,26 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     flds = {f.name: f for f in dataclasses.fields(cls) if f.init}
     alias_of = {a: f.name for f in flds.values() for a in f.metadata.get("aliases", ())}
     kwargs: dict[str, Any] = {}
+    problems: list[ConfigError] = []
     for key, value in data.items():
         name = alias_of.get(key, key)
         sub = f"{path}.{key}" if path else str(key)
         if name not in flds:
-            valid = sorted(flds) + sorted(alias_of)
-            hint = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
-            extra = f"; did you mean {hint[0]!r}?" if hint else ""
-            raise ConfigError(sub, f"unknown key{extra} Valid keys here: {', '.join(sorted(flds))}")
+            problem = _unknown_key(sub, key, value, sorted(flds), sorted(alias_of))
+            if problem is not None:
+                problems.append(problem)
+            continue
         if name in kwargs:
-            raise ConfigError(sub, f"given twice (as {name!r} and an alias)")
-        kwargs[name] = _convert(hints[name], value, f"{path}.{name}" if path else name)
+            problems.append(ConfigError(sub, f"given twice (as {name!r} and an alias)"))
+            continue
+        try:
+            kwargs[name] = _convert(hints[name], value, f"{path}.{name}" if path else name)
+        except ConfigError as e:
+            problems.append(e)
     for name, f in flds.items():
-        if name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
-            raise ConfigError(f"{path}.{name}" if path else name, "is required")
+        if name not in kwargs and name not in data and f.default is MISSING and f.default_factory is MISSING:
+            problems.append(ConfigError(f"{path}.{name}" if path else name, "is required"))
+    raise_problems(problems)
     obj = cls(**kwargs)
     validate = getattr(obj, "validate", None)
     if validate is not None:
@@ -258,6 +293,23 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
         except ConfigError as e:
             raise e.prefixed(path) from None
     return obj
+
+
+def _unknown_key(path: str, key: Any, value: Any, names: list[str], aliases: list[str]) -> ConfigError | None:
+    """The problem of a key that is no field here: Levanter's own keys say what they do and what to
+    do instead (or are accepted with a log line when they change nothing here: None); any other key
+    is unknown, with a suggestion only for a near-miss spelling."""
+    from lm_pipeline import levanter
+
+    known = levanter.levanter_key(path)
+    if known is not None:
+        if known.status == "no_effect" or (value is None and known.path in levanter.NULL_IS_DEFAULT):
+            levanter.accept(known, path)
+            return None
+        return ConfigError(path, levanter.refusal(known, path))
+    hint = difflib.get_close_matches(str(key), names + aliases, n=1, cutoff=0.8)
+    extra = f"; did you mean {hint[0]!r}?" if hint else ""
+    return ConfigError(path, f"unknown key{extra} Valid keys here: {', '.join(names)}")
 
 
 def to_dict(cfg: Any, *, semantic_only: bool = False) -> Any:

@@ -19,11 +19,12 @@ training source fields stay empty then. Every problem of a section is reported a
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lm_pipeline.schema import ConfigError, field
+from lm_pipeline.schema import ConfigError, ConfigProblems, field, raise_problems
+
+__all__ = ["ConfigProblems", "DataConfig", "SourceConfig", "TokenizerConfig", "raise_problems"]
 
 #: Name of the validation set fed by ``validation_urls`` / ``hf_validation_split`` / a builtin.
 DEFAULT_VALIDATION_SET = "validation"
@@ -36,28 +37,6 @@ STOP_STRATEGIES = ("restart", "first_exhausted", "all_exhausted")
 
 #: Largest ``mixture_block_size``: a block's order is held in memory (8 bytes a row).
 MAX_MIXTURE_BLOCK_SIZE = 1 << 20
-
-
-class ConfigProblems(ConfigError):
-    """Several problems of one config, reported together: ``problems`` holds one
-    :class:`ConfigError` per problem, each naming its field; ``path`` is the first one's."""
-
-    def __init__(self, problems: Sequence[ConfigError]):
-        self.problems = tuple(problems)
-        self.path = self.problems[0].path
-        self.message = "; ".join(f"'{p.path}': {p.message}" for p in self.problems)
-        ValueError.__init__(self, f"{len(self.problems)} problems: " + "; ".join(str(p) for p in self.problems))
-
-    def prefixed(self, prefix: str) -> ConfigProblems:
-        return ConfigProblems([p.prefixed(prefix) for p in self.problems])
-
-
-def raise_problems(problems: Sequence[ConfigError]) -> None:
-    """Raise the one problem as it is, several as one :class:`ConfigProblems`; nothing if none."""
-    if len(problems) == 1:
-        raise problems[0]
-    if problems:
-        raise ConfigProblems(problems)
 
 
 @dataclass(frozen=True)

@@ -379,13 +379,17 @@ class Pipeline:
         """Build stage ``name`` (its upstream first) with its build function's ``options``.
 
         What the stage needs of the user's inputs is checked first, also when it is built already:
-        ``train_ckpt``, the checkpoints it would load (:meth:`checkpoint_problems`, before any
-        other stage is built); ``train_ckpt``, ``token_cache`` and a trained tokenizer, some
-        training text (:meth:`training_text_problem`)."""
+        ``train_ckpt``, the checkpoints it would load (:meth:`checkpoint_problems`) and the trackers
+        it would start (a wandb tracker without an API key), before any other stage is built;
+        ``train_ckpt``, ``token_cache`` and a trained tokenizer, some training text
+        (:meth:`training_text_problem`)."""
         stage = self.stage(name)
         if name == "train_ckpt":
-            for where, problem in self.checkpoint_problems():
-                raise ConfigError(where, problem)
+            from lm_pipeline.schema import raise_problems
+            from lm_pipeline.train.trackers import tracker_problems
+
+            raise_problems([ConfigError(where, problem) for where, problem in
+                            [*self.checkpoint_problems(), *tracker_problems(self.cfg.trainer.tracker)]])
         if "raw_shards" in self.stages and (name in ("train_ckpt", "token_cache") or (
                 name == "tokenizer" and self.cfg.data.tokenizer.kind == "bpe")):
             problem = self.training_text_problem()

@@ -372,6 +372,45 @@ class WandbConfig(TrackerConfig):
     def build(self, *, run_id: str, run_dir: str, hparams: Mapping[str, Any], resume_step: int | None) -> Tracker:
         return WandbTracker(self, run_id=run_id, run_dir=run_dir, hparams=hparams, resume_step=resume_step)
 
+    def start_problem(self) -> str | None:
+        """Why this tracker could not start on this machine (no wandb package; online mode without an
+        API key in $WANDB_API_KEY or a netrc entry for the wandb host), or None. Imports no wandb."""
+        import importlib.util
+
+        mode = self.mode or os.environ.get("WANDB_MODE") or "online"
+        if mode in ("offline", "disabled", "dryrun"):
+            return None
+        if importlib.util.find_spec("wandb") is None:
+            return "the wandb tracker needs wandb: pip install 'lm-pipeline[wandb]'"
+        if os.environ.get("WANDB_API_KEY") or _netrc_has(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")):
+            return None
+        return ("wandb cannot start: no API key (WANDB_API_KEY is unset and no netrc entry for the wandb host); "
+                "run `wandb login`, set WANDB_API_KEY, set WANDB_MODE=offline (or mode: offline) to log locally "
+                "and `wandb sync` later, or remove the tracker")
+
+
+def _netrc_has(url: str) -> bool:
+    """Whether the user's netrc file (``$NETRC`` or ``~/.netrc``) has a password for ``url``'s host."""
+    import netrc
+    from urllib.parse import urlparse
+
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        entry = netrc.netrc(path).authenticators(urlparse(url).hostname or "")
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
+
+
+def tracker_problems(configs: Sequence[TrackerConfig]) -> list[tuple[str, str]]:
+    """(config field, one-line problem) for each configured tracker that could not start here."""
+    out = []
+    for i, cfg in enumerate(configs):
+        problem = getattr(cfg, "start_problem", lambda: None)()
+        if problem:
+            out.append((f"trainer.tracker[{i}]", problem))
+    return out
+
 
 @TrackerConfig.register("noop")
 @dataclass(frozen=True)

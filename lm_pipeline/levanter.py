@@ -1,0 +1,133 @@
+"""Levanter's config keys that have no field of the same name here: what each does in Levanter
+and what this project does with it.
+
+One table (:data:`LEVANTER_KEYS`) drives three things: the error for a key that is refused
+("Levanter's `<key>` (what it does) is not supported here: <what to do>"), the one log line for
+a key accepted without effect, and the feature table of ``docs/training.md``. Keys that *are*
+fields here (``data.shuffle``, ``optimizer.type``, ...) carry their own translation in their
+section's ``normalize_raw``; they say what they became through :func:`note`.
+
+Light on purpose: the schema consults it while parsing, so it imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+log = logging.getLogger("lm_pipeline.config")
+
+
+@dataclass(frozen=True)
+class LevanterKey:
+    """A Levanter key without a same-named field here.
+
+    ``path``: dotted, list indices dropped (``trainer.tracker.save_xla_dumps``); ``does``: what it
+    does in Levanter; ``status``: ``no_effect`` (accepted, one log line) or ``refused``;
+    ``here``: for ``no_effect``, why it changes nothing here (or what does its job); for
+    ``refused``, what to do instead.
+    """
+
+    path: str
+    does: str
+    status: Literal["no_effect", "refused"]
+    here: str
+
+
+def _k(path: str, does: str, status: Literal["no_effect", "refused"], here: str) -> LevanterKey:
+    return LevanterKey(path, does, status, here)
+
+
+LEVANTER_KEYS: tuple[LevanterKey, ...] = (
+    # --- how, not what: accepted, no effect on results -------------------------------------
+    _k("data.cache_options", "batch size, shard groups and flush size of its cache builder", "no_effect",
+       "the token cache builder sizes its own batches and flushes; its unit of work is data.shard_group_size "
+       "shards, and data.num_workers sets the tokenizing processes"),
+    _k("model.flash_attention_block_size", "the block size of its flash attention", "no_effect",
+       "the compute plan picks the attention kernel and its blocks for the device (docs/architecture.md, "
+       "one compute seam)"),
+    _k("model.attn_backend", "which attention implementation to use", "no_effect",
+       "the compute plan picks the attention form for the device; $LM_PIPELINE_ATTENTION overrides it"),
+    _k("model.cross_entropy_block_size", "the vocabulary block of its blockwise cross-entropy", "no_effect",
+       "the compute plan chooses full logits or the fused LM head + cross-entropy in chunks"),
+    _k("model.scan_layers", "whether the layer stack is a scan", "no_effect",
+       "the compute plan decides how many layers are unrolled; the results are the same"),
+    _k("model.reference_checkpoint", "the Hugging Face model whose config an export copies", "no_effect",
+       "exports write their own config.json from the model section (with initialize_from_hf: true it is "
+       "the model to start from)"),
+    _k("trainer.ray", "starting Ray workers from the trainer", "no_effect",
+       "Ray runs through lm-pipeline's Ray launcher (docs/cluster.md), not from the trainer section"),
+    _k("trainer.require_accelerator", "failing when no accelerator is found", "no_effect",
+       "the run uses the devices JAX finds; trainer.mp: auto picks the precision for them"),
+    _k("trainer.jax_config", "jax.config options set at start-up", "no_effect",
+       "JAX's own defaults are used (jax_threefry_partitionable is already on in this JAX)"),
+    _k("trainer.profiler", "the JAX profiler around some steps", "no_effect",
+       "no profiler runs inside training here; bench/ measures steps"),
+    _k("trainer.profiler_start_step", "the first profiled step", "no_effect", "no profiler runs inside training here"),
+    _k("trainer.profiler_num_steps", "how many steps are profiled", "no_effect", "no profiler runs inside training here"),
+    _k("trainer.profiler_perfetto_link", "a Perfetto link to the profile", "no_effect",
+       "no profiler runs inside training here"),
+    _k("trainer.shutdown_at_exit", "shutting the TPU VM down when training ends", "no_effect",
+       "the process exits and leaves the machine alone"),
+    _k("trainer.allow_nondivisible_batch_size", "a batch that does not divide the devices", "no_effect",
+       "the batch must divide the data-parallel devices (checked before any compute)"),
+    _k("trainer.checkpointer.append_run_id_to_base_path", "whether checkpoints go under <base_path>/<run id>",
+       "no_effect", "checkpoints always go under <base_path>/<run id>; trainer.id names that directory"),
+    _k("trainer.tracker.save_xla_dumps", "uploading XLA dumps to wandb", "no_effect", "no XLA dumps are written"),
+    # --- what, not how: refused until implemented ------------------------------------------
+    _k("trainer.quantization", "fp8 / int8 quantized training", "refused",
+       "remove it (training runs in trainer.mp)"),
+    _k("trainer.model_averaging", "an EMA of the weights used for evaluation", "refused", "remove it"),
+    _k("z_loss_weight", "an auxiliary z-loss on the log-partition function", "refused", "remove it"),
+    _k("epoch", "the number of passes over the data", "refused", "use trainer.num_epochs"),
+    _k("model.rope", "the rotary embedding's scaling (yarn, llama3)", "refused",
+       "use model.rope_theta for the base; scaled rotary embeddings are not available"),
+    _k("model.use_layer_norm_weight", "norms without a learned scale", "refused", "remove it (norms have a scale here)"),
+    _k("optimizer.gamma", "Sophia's clipping threshold", "refused", "remove it with optimizer.type"),
+    _k("optimizer.cooldown", "a cooldown phase of the schedule", "refused", "use optimizer.decay (WSD)"),
+    _k("optimizer.haps", "learning-rate cycle boundaries", "refused", "use optimizer.cycles"),
+    _k("optimizer.weight_decay_modules", "which modules get weight decay", "refused",
+       "weight decay applies to matrices here; remove it"),
+    _k("optimizer.default_weight_decay_mask", "the default weight decay mask", "refused",
+       "weight decay applies to matrices here; remove it"),
+    _k("eval_harness", "lm-eval-harness tasks run during training", "refused", "remove it"),
+    _k("eval_harness_steps", "how often the harness runs", "refused", "remove it"),
+)
+
+_BY_PATH = {k.path: k for k in LEVANTER_KEYS}
+
+#: Levanter keys whose value null means "Levanter's default": accepted silently when null.
+NULL_IS_DEFAULT = ("trainer.quantization", "optimizer.cooldown", "optimizer.haps", "optimizer.weight_decay_modules",
+                   "optimizer.default_weight_decay_mask", "model.cross_entropy_block_size",
+                   "model.flash_attention_block_size", "model.attn_backend")
+
+_INDEX = re.compile(r"\[\d+\]")
+
+
+def levanter_key(path: str) -> LevanterKey | None:
+    """The table's entry for a dotted config path (list indices ignored), if any."""
+    return _BY_PATH.get(_INDEX.sub("", path))
+
+
+def refusal(key: LevanterKey, path: str) -> str:
+    """The one-line message for a refused Levanter key at ``path``."""
+    return f"Levanter's `{_INDEX.sub('', path)}` ({key.does}) is not supported here: {key.here}"
+
+
+_NOTED: set[str] = set()
+
+
+def note(path: str, text: str) -> None:
+    """Log ``text`` about the Levanter key at ``path`` once per process (a config may be loaded
+    several times: command line, Pipes child, plan)."""
+    if path not in _NOTED:
+        _NOTED.add(path)
+        log.info("%s", text)
+
+
+def accept(key: LevanterKey, path: str) -> None:
+    """Log once that the Levanter key at ``path`` is accepted and has no effect here."""
+    where = _INDEX.sub("", path)
+    note(where, f"Levanter's `{where}` ({key.does}) has no effect here: {key.here}")
