@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from lm_pipeline import fs
 from lm_pipeline.schema import ConfigError
 
 __all__ = ["tokenizer_vocab_size"]
@@ -27,7 +28,7 @@ def tokenizer_vocab_size(tok) -> int:
     if tok.kind == "bpe" or not tok.name_or_path:
         return int(tok.vocab_size)
     name = tok.name_or_path
-    if "://" in name or os.path.isdir(os.path.expanduser(name)):
+    if fs.scheme(name) or fs.is_local_dir(name):  # a directory (local or a URL), not a hub repo id
         return int(tokenizer_info(os.path.expanduser(name)).vocab_size)
     from huggingface_hub import hf_hub_download
 

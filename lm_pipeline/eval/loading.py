@@ -80,8 +80,7 @@ def load_model_from_checkpoint(path: str | os.PathLike, *, dtype: Any = None) ->
     if is_hf_model_dir(path):
         return _load_hf_dir(os.fspath(path), dtype)
     step_dir = resolve_checkpoint(path)
-    if not fs.is_local(step_dir):  # an object store: read a local copy (downloaded once)
-        step_dir = local_copy(step_dir)
+    step_dir = local_copy(step_dir)  # itself; an object store's: a local copy (downloaded once)
     cfg_path = fs.local_path(fs.join(step_dir, CONFIG_FILE))
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{step_dir} has no {CONFIG_FILE}: cannot tell which model it holds")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Mapping
@@ -139,10 +138,8 @@ def _export_config_json(cfg: LmConfig, vocab: int, dtype: str, ids: Mapping[str,
     return conf
 
 
-def _replace_dir(tmp: str, out: str, overwrite: bool) -> None:
+def _replace_dir(tmp: str, out: str) -> None:
     if os.path.lexists(out):
-        if not overwrite:
-            raise FileExistsError(f"{out} exists (pass overwrite=True to replace it)")
         old = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.old-{uuid.uuid4().hex[:8]}")
         os.rename(out, old)
         os.rename(tmp, out)
@@ -172,7 +169,7 @@ def export_hf(
             config and ``tokenizer/`` come from it) or a model (then ``config`` defaults to
             ``model.config``).
         out_dir: the export directory; replaced atomically if it exists and ``overwrite``. A URL
-            (``s3://``, ``gs://``, ...): written locally, then published by :func:`publish_dir`.
+            (``s3://``, ``gs://``, ...): written locally, then uploaded (``config.json`` last).
         tokenizer_dir: tokenizer files to copy (default: the checkpoint's); without one the
             export holds only the model and no token ids.
         vocab_size: vocabulary to export (default: the tokenizer's, else the model's; the
@@ -189,34 +186,42 @@ def export_hf(
     """
     model, cfg, tok, recorded = _export_source(source, config, tokenizer_dir)
     hf_source = recorded if hf_source is None else hf_source
-    if not fs.is_local(out_dir):  # an object store: export locally, then publish (config.json last)
-        url = fs.norm(out_dir)
-        if not overwrite and fs.exists(fs.join(url, CONFIG_NAME)):
-            raise FileExistsError(f"{url} exists (pass overwrite=True to replace it)")
-        staging = tempfile.mkdtemp(prefix="lm-pipeline-export-")
-        try:
-            local = export_hf(model, os.path.join(staging, "export"), config=cfg, tokenizer_dir=tok,
-                              vocab_size=vocab_size, dtype=dtype, max_shard_size=max_shard_size, progress=progress,
-                              hf_source=hf_source)
-            publish_dir(local, url)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return url
-    if vocab_size is None and tok is not None:
-        from lm_pipeline.data.tokenizer import tokenizer_info
+    target = fs.norm(out_dir)
+    if not overwrite and fs.exists(target):
+        raise FileExistsError(f"{target} exists (pass overwrite=True to replace it)")
+    # An object store: written in a local staging directory, then uploaded with config.json last
+    # (after the old one is deleted), so a directory with a config.json is a complete export.
+    with fs.staged(target, last=(CONFIG_NAME,), clear=True) as local:
+        _write_local(model, cfg, tok, local, hf_source, vocab_size=vocab_size, dtype=dtype,
+                     max_shard_size=max_shard_size, progress=progress)
+        faultpoint("export.before_upload")
+    return target
 
-        vocab_size = tokenizer_info(tok).vocab_size
-        rows = int(model.token_embeddings.shape[0])
-        if rows > vocab_size and _source_of(cfg, hf_source).get("vocab_size") == rows:
-            vocab_size = rows  # the starting model's padded vocabulary, as it was
-    state = export_state_dict(model, cfg, vocab_size=vocab_size, dtype=dtype)
+
+def _export_vocab(model: LmModel, cfg: LmConfig, tok: str | None, hf_source: Mapping[str, Any] | None,
+                  vocab_size: int | None) -> int | None:
+    """The vocabulary to export: ``vocab_size`` if given, else the tokenizer's (the model's own
+    rows when the Hugging Face model the run started from had them padded so), else None (the model's)."""
+    if vocab_size is not None or tok is None:
+        return vocab_size
+    from lm_pipeline.data.tokenizer import tokenizer_info
+
+    vocab_size = tokenizer_info(tok).vocab_size
+    rows = int(model.token_embeddings.shape[0])
+    if rows > vocab_size and _source_of(cfg, hf_source).get("vocab_size") == rows:
+        return rows  # the starting model's padded vocabulary, as it was
+    return vocab_size
+
+
+def _write_local(model: LmModel, cfg: LmConfig, tok: str | None, out: str, hf_source: Mapping[str, Any] | None, *,
+                 vocab_size: int | None, dtype: str | None, max_shard_size: int | str, progress: bool | None) -> None:
+    """Write the export into the local directory ``out``: built under a temporary sibling and
+    renamed into place (an existing ``out`` replaced)."""
+    state = export_state_dict(model, cfg, vocab_size=_export_vocab(model, cfg, tok, hf_source, vocab_size), dtype=dtype)
     vocab = int(state[embedding_names(cfg)[0]].shape[0])
     weights_dtype = _dtype_name(next(iter(state.values())).dtype)
     ids = _token_ids(tok)
-
-    out = fs.local_path(out_dir)
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
     atomic.remove_stale_temps(out)  # left by an export that was killed (exports of one directory run one at a time)
     tmp = atomic.temp_sibling(out)
     os.makedirs(tmp)
@@ -226,7 +231,7 @@ def export_hf(
     try:
         conf = _export_config_json(cfg, vocab, weights_dtype, ids, _positions(cfg, state, hf_source))
         _write_export(tmp, state, max_shard_size, conf, ids, tok, bar)
-        _replace_dir(tmp, out, overwrite)
+        _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -234,18 +239,6 @@ def export_hf(
         bar.close()
     log.info("exported %s model (vocab %d, %s, %.1f MB) to %s in %.1fs", getattr(cfg, "type", "?"), vocab,
              weights_dtype, nbytes / 1e6, out, time.perf_counter() - t0)
-    return out
-
-
-def publish_dir(local_dir: str, url: str) -> None:
-    """Upload the export ``local_dir`` to the object-store directory ``url``, replacing what is
-    there: the previous ``config.json`` is deleted first and the new one uploaded last, so a
-    directory with a ``config.json`` is a complete export (``transformers`` cannot load one
-    without it) and an interrupted upload is never taken for one."""
-    fs.remove(fs.join(url, CONFIG_NAME))
-    fs.rmtree(url)
-    faultpoint("export.before_upload")
-    fs.upload_tree(local_dir, url, last=(CONFIG_NAME,))
 
 
 def _export_source(
@@ -354,20 +347,12 @@ def export_hook(
             model = multihost_utils.process_allgather(model, tiled=True)
             if jax.process_index() != 0:
                 return None
-        target = fs.join(base, f"step-{info.step}")
-        staging = None if fs.is_local(target) else tempfile.mkdtemp(prefix="lm-pipeline-export-")
-        try:
-            out = export_hf(model, target if staging is None else os.path.join(staging, f"step-{info.step}"),
-                            tokenizer_dir=tokenizer_dir, dtype=export_cfg.dtype,
+        with fs.staged(fs.join(base, f"step-{info.step}"), last=(CONFIG_NAME,), clear=True) as local:
+            out = export_hf(model, local, tokenizer_dir=tokenizer_dir, dtype=export_cfg.dtype,
                             max_shard_size=export_cfg.max_shard_size, hf_source=hf_source)
             if export_cfg.hf_upload:
                 upload_hf(out, export_cfg.hf_upload, private=export_cfg.hf_upload_private,
                           commit_message=f"step {info.step}")
-            if staging is not None:
-                publish_dir(out, target)
-        finally:
-            if staging is not None:
-                shutil.rmtree(staging, ignore_errors=True)
         return None
 
     return Hook(fn, every=export_cfg.hf_save_steps)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -100,12 +99,8 @@ def copy_tokenizer(tokenizer_dir: str, out_dir: str) -> list[str]:
         if not is_dir and not name.startswith("."):
             if name.endswith(PICKLE_SUFFIXES) or name in (CONFIG_NAME, GENERATION_CONFIG_NAME, "manifest.json"):
                 continue
-            src = fs.join(tokenizer_dir, name)
-            if fs.is_local(src):
-                shutil.copyfile(src, os.path.join(out_dir, name))
-            else:
-                with open(os.path.join(out_dir, name), "wb") as f:
-                    f.write(fs.read_bytes(src) or b"")
+            with open(os.path.join(out_dir, name), "wb") as f:  # small files: read whole, wherever they are
+                f.write(fs.read_bytes(fs.join(tokenizer_dir, name), missing_ok=False))
             copied.append(name)
     if "tokenizer.json" not in copied:
         raise FileNotFoundError(f"{tokenizer_dir} holds no tokenizer.json")

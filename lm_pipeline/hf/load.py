@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Mapping
 from typing import Any
 
+from lm_pipeline import fs
 from lm_pipeline.eval.config import resolve_dtype
 from lm_pipeline.hf.config import REPO_RE
 from lm_pipeline.hf.files import (
@@ -130,28 +130,22 @@ def _split_revision(source: str, revision: str | None) -> tuple[str, str | None]
 def _download_export(url: str, cache_dir: str | None) -> str:
     """A local copy of the HF model directory ``url`` (object store), downloaded into
     ``cache_dir`` (default: a temporary directory). Only complete exports are read: one without
-    ``config.json`` (uploaded last, see :func:`lm_pipeline.hf.export.publish_dir`) is refused."""
-    import hashlib
+    ``config.json`` (uploaded last, see :func:`lm_pipeline.hf.export.export_hf`) is refused. Downloaded
+    once per content: a rewritten export (other sizes or versions) gets a new copy."""
     import tempfile
 
-    from lm_pipeline import fs
-
-    url = url.rstrip("/")
+    url = fs.norm(url)
     if not fs.exists(fs.join(url, CONFIG_NAME)):
         raise FileNotFoundError(f"{url} holds no {CONFIG_NAME}: not a (complete) Hugging Face model directory")
-    base = cache_dir or tempfile.gettempdir()
-    target = os.path.join(base, "lm-pipeline-hf", hashlib.sha256(url.encode()).hexdigest()[:16])
-    shutil.rmtree(target, ignore_errors=True)  # never mix with an earlier download's files
-    fs.download_tree(url, target)
-    return target
+    return fs.local_copy(url, cache_dir=os.path.join(cache_dir or tempfile.gettempdir(), "lm-pipeline-hf"))
 
 
 def _resolve_source(source: str | os.PathLike, revision: str | None, cache_dir: str | None, token: str | None) -> str:
     """A local directory holding the checkpoint (downloaded from the hub if needed)."""
     text = os.fspath(source)
-    if os.path.isdir(text):
-        return text
-    if "://" in text and not text.startswith("file://"):  # an export on an object store: a local copy
+    if fs.is_local_dir(text):
+        return fs.local_path(text)
+    if fs.scheme(text):  # a URL that is no local directory: an export on an object store, read from a local copy
         return _download_export(text, cache_dir)
     repo, rev = _split_revision(text, revision)
     if os.path.isdir(repo):

@@ -21,6 +21,7 @@ import json
 import os
 from typing import Any
 
+from lm_pipeline import fs
 from lm_pipeline.schema import ConfigError
 
 __all__ = ["HF_SOURCE_FILE", "hf_model_config", "hf_source", "hf_source_config", "hf_source_files",
@@ -35,10 +36,9 @@ _IDENTITY_CACHE: dict[tuple, str] = {}
 
 def is_hf_model_dir(path: str | os.PathLike) -> bool:
     """A local directory with ``config.json`` and safetensors weights and no checkpoint marker."""
-    p = os.fspath(path)
-    if "://" in p or not os.path.isdir(p):
+    if not fs.is_local_dir(path):
         return False
-    names = os.listdir(p)
+    names = os.listdir(fs.local_path(path))
     return ("config.json" in names and "checkpoint.json" not in names
             and any(n.endswith(".safetensors") for n in names))
 
@@ -179,8 +179,6 @@ def read_hf_source(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
     """What a checkpoint recorded of the Hugging Face model its run started from
     (``{"source", "config"}``), or None: a ``step-<N>`` dir or a run dir (its latest checkpoint);
     a Hugging Face directory is its own source."""
-    from lm_pipeline import fs
-
     path = os.fspath(checkpoint)
     if is_hf_model_dir(path):
         return {"source": path, "config": read_hf_config_json(path)}
