@@ -103,7 +103,7 @@ def checkpoint_eval_asset(dep: Deployment, name: str):
         pipe = _checkpoint_pipeline(path, store, eval_config=base.eval_config)
         res = pipe.eval_report(checkpoint=path)
         context.log.info(md.summary_line(res))
-        meta = md.METADATA["eval_report"](res)
+        meta = md.stage_metadata(pipe.stage("eval_report"), res)
         meta["run_fingerprint"] = dg.MetadataValue.text(parse_checkpoint_key(key)[0])
         meta["experiment"] = dg.MetadataValue.text(name)
         meta["eval_config"] = dg.MetadataValue.json(md.plain_json(pipe.stage_config("eval_report")))

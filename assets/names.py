@@ -20,6 +20,8 @@ OBSERVE_JOB = "observe_data_sources"
 #: Pools (one slot each by default): one training and one evaluation at a time per deployment.
 TRAINING_POOL = "lm_pipeline_training"
 EVALUATION_POOL = "lm_pipeline_evaluation"
+#: The Dagster pool of each pool a stage declares (:data:`lm_pipeline.steps.stage.POOLS`).
+POOLS = {"training": TRAINING_POOL, "evaluation": EVALUATION_POOL}
 
 #: Run tags: the checkpoint directory a per-checkpoint evaluation reads, the experiment it is for.
 CHECKPOINT_TAG = "lm_pipeline/checkpoint"

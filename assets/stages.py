@@ -32,7 +32,7 @@ from assets import metadata as md
 from assets.dead_runs import tend
 from assets.deployment import Deployment, Node
 from assets.experiment import Experiment
-from assets.names import EVALUATION_POOL, TRAINING_POOL
+from assets.names import POOLS
 from assets.provenance import lineage_metadata, provenance, source_version, verify_inputs, what_to_run
 from resources import (
     ArtifactStoreResource,
@@ -66,6 +66,8 @@ def stage_assets(dep: Deployment) -> list:
                              "semantic_config": dg.MetadataValue.json(md.plain_json(base.stage_config(stage.name))),
                              "fingerprint_inputs": dg.MetadataValue.text(
                                  ", ".join(base.input_stages(stage.name)) or "the data's content")}}
+        if stage.pool is not None:
+            spec["pool"] = POOLS[stage.pool]
         assets.append(special.get(stage.name, _stage_asset)(dep, node, spec))
     return assets
 
@@ -76,8 +78,10 @@ def _run_pipe(exp: Experiment, store: ArtifactStoreResource):
 
 def _artifact_metadata(dep: Deployment, node: Node, pipe, used: Mapping[str, str], res, *extra) -> dict[str, Any]:
     """All a stage's materialization shows: the stage's own metadata, its provenance, its lineage."""
-    return {**md.METADATA[node.stage](res, *extra), **provenance(dep, node, pipe, used),
-            **lineage_metadata(pipe.store, res)}
+    shown = md.stage_metadata(pipe.stage(node.stage), res)
+    for more in extra:  # what a launch adds (its process, its trackers): after the stage's own
+        shown.update({k: v for k, v in more.items() if k not in shown})
+    return {**shown, **provenance(dep, node, pipe, used), **lineage_metadata(pipe.store, res)}
 
 
 def _require_trained(pipe, key: dg.AssetKey, me: dg.AssetKey):
@@ -113,9 +117,7 @@ def _observable(key: dg.AssetKey, raw: Node):
 
 def _stage_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
     """A stage as one asset: build it (a hit does no work); checkpoint readers never train."""
-    pool = EVALUATION_POOL if node.stage == "eval_report" else None
-
-    @dg.asset(key=node.key, deps=node.deps, pool=pool, **spec)
+    @dg.asset(key=node.key, deps=node.deps, **spec)
     def _asset(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
         tend(context)
         pipe = _run_pipe(node.owner, store)
@@ -207,7 +209,7 @@ def _train_ckpt_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
                                                           "as it lands."}
 
     @dg.asset(key=node.key, deps=node.deps, retry_policy=dg.RetryPolicy(max_retries=TRAIN_RETRIES, delay=2),
-              pool=TRAINING_POOL, **spec)
+              **spec)
     def train_ckpt(context: dg.AssetExecutionContext, store: ArtifactStoreResource, training: TrainingLauncherResource,
                    jax_runtime: JaxRuntimeResource, tracking: TrackingResource):
         tend(context)

@@ -22,8 +22,16 @@ def _decode_png(md_value) -> bytes:
     return base64.b64decode(text.split("base64,", 1)[1].rstrip(")"))
 
 
+def _size(path: str):
+    from lm_pipeline.steps.display import common
+    from lm_pipeline.steps.result import StageResult
+
+    return common(StageResult("train_ckpt", "abc", path, True, {}, 0.0)).get("size_bytes")
+
+
 def test_training_plots_and_size_of_a_run_on_a_bucket(s3_bucket, tmp_path):  # noqa: F811
-    from assets.metadata import _dir_bytes, training_plots
+    from assets.metadata import to_dagster
+    from lm_pipeline.steps.shown import training_plots
 
     run = s3_bucket.url("store", "train_ckpt", "abc")
     local_run = tmp_path / "run"
@@ -33,7 +41,7 @@ def test_training_plots_and_size_of_a_run_on_a_bucket(s3_bucket, tmp_path):  # n
     s3 = fsspec.filesystem("s3")
     s3.pipe(f"{run}/metrics.jsonl", body.encode())
 
-    on_bucket = training_plots(run)
+    on_bucket = {k: to_dagster(v) for k, v in training_plots(run).items()}
     on_disk = training_plots(str(local_run))
     assert set(on_bucket) == set(on_disk) and "loss_curve" in on_bucket
     png = _decode_png(on_bucket["loss_curve"])
@@ -42,6 +50,6 @@ def test_training_plots_and_size_of_a_run_on_a_bucket(s3_bucket, tmp_path):  # n
     assert on_bucket["loss_curve_path"].value == f"{run}/plots/loss.png"
 
     sizes = {p: len(s3.cat(p)) for p in s3.find(run)}
-    assert _dir_bytes(run) == sum(sizes.values()) > len(body)
-    assert _dir_bytes(s3_bucket.url("missing")) in (0, None)
-    assert np.isclose(_dir_bytes(str(local_run)), sum(p.stat().st_size for p in local_run.rglob("*") if p.is_file()))
+    assert _size(run) == sum(sizes.values()) > len(body)
+    assert _size(s3_bucket.url("missing")) in (0, None)
+    assert np.isclose(_size(str(local_run)), sum(p.stat().st_size for p in local_run.rglob("*") if p.is_file()))

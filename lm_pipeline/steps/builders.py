@@ -1,8 +1,9 @@
 """What each stage does: one build function per stage of the table (:mod:`lm_pipeline.steps.stages`).
 
-Each takes the :class:`~lm_pipeline.steps.Pipeline` (and the stage's options), builds its upstream
-stages first, and hands :meth:`Pipeline.run` a writer ``write(path) -> (summary, manifest extras)``
-that fills the artifact's directory. ``run`` returns at once on a cache hit.
+Each is ``build(ctx, inputs, **options)`` (:mod:`lm_pipeline.steps.stage`): it takes the artifacts
+it reads from ``inputs`` (built on first use) and hands ``ctx.run`` a writer
+``write(path) -> (summary, manifest extras)`` that fills the artifact's directory. ``run`` returns
+at once on a cache hit.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from lm_pipeline.steps.result import StageResult
 
 if TYPE_CHECKING:
-    from lm_pipeline.steps.pipeline import Pipeline
+    from lm_pipeline.config import RunConfig
+    from lm_pipeline.steps.stage import BuildContext, Inputs
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ def data_summary(manifest: dict[str, Any]) -> str:
     return line
 
 
-def raw_shards(pipe: Pipeline) -> StageResult:
+def raw_shards(ctx: BuildContext, inputs: Inputs) -> StageResult:
     """Validate every shard under the configured policy; record per-shard counts."""
 
     def write(path: str):
@@ -55,7 +57,7 @@ def raw_shards(pipe: Pipeline) -> StageResult:
 
         splits: dict[str, list[dict[str, Any]]] = {}
         totals = {"records": 0, "valid": 0, "skipped": 0}
-        for split, shards in pipe.shards().items():
+        for split, shards in ctx.shards().items():
             reports = scan_shards(shards)
             rows = []
             for s in shards:
@@ -68,30 +70,30 @@ def raw_shards(pipe: Pipeline) -> StageResult:
         summary = {"num_shards": sum(len(v) for v in splits.values()), **totals, "splits": sorted(splits)}
         return summary, {"shards": splits}
 
-    res = pipe.run("raw_shards", write)
+    res = ctx.run(write)
     if not res.hit:
         line = data_summary(res.manifest)
         (log.warning if res.summary.get("skipped") else log.info)("raw_shards %s: %s", res.fingerprint, line)
     return res
 
 
-def tokenizer(pipe: Pipeline) -> StageResult:
+def tokenizer(ctx: BuildContext, inputs: Inputs) -> StageResult:
     """Train the BPE on the training shards, or fetch the configured HF tokenizer."""
-    pipe.raw_shards()
+    inputs["raw_shards"]  # the shards validated (and their counts recorded) first
 
     def write(path: str):
         from lm_pipeline.data.sources import iter_shard_texts
         from lm_pipeline.data.tokenizer import build_tokenizer
 
-        tok = pipe.cfg.data.tokenizer
+        tok = ctx.cfg.data.tokenizer
         if tok.kind == "bpe":
-            info = build_tokenizer(tok, path, iter_shard_texts(pipe.shards()["train"]),
-                                   progress=None if pipe.progress else False)  # a bar on a terminal only
+            info = build_tokenizer(tok, path, iter_shard_texts(ctx.shards()["train"]),
+                                   progress=None if ctx.progress else False)  # a bar on a terminal only
         else:
             info = build_tokenizer(tok, path)
         return {"vocab_size": info.vocab_size, "eos_id": info.eos_id, "bos_id": info.bos_id}, {}
 
-    return pipe.run("tokenizer", write)
+    return ctx.run(write)
 
 
 def cache_summary(splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -106,27 +108,27 @@ def ledger_counts(ledger: dict[str, Any]) -> dict[str, Any]:
             "num_shards": c.get("shards")}
 
 
-def token_cache(pipe: Pipeline) -> StageResult:
+def token_cache(ctx: BuildContext, inputs: Inputs) -> StageResult:
     """Tokenize every split into its own token cache under this artifact (in this process; the
     fan-out over shard groups is :mod:`lm_pipeline.steps.fanout`)."""
-    tok = pipe.tokenizer()
+    tok = inputs["tokenizer"]
 
     def write(path: str):
         from lm_pipeline.data.cache import build_cache
 
-        data = pipe.cfg.data
-        all_shards = pipe.shards()
+        data = ctx.cfg.data
+        all_shards = ctx.shards()
         built = {}
         # The validation sets first (small): a run that trains while the cache builds
         # (data.shuffle: era) evaluates them whole, and reads the training split as it grows.
         for split in sorted(all_shards, key=lambda name: name == "train"):
             ledger = build_cache(f"{path}/{split}", all_shards[split], tok.path, num_workers=data.num_workers,
-                                 shard_group_size=data.shard_group_size, progress=pipe.progress)
+                                 shard_group_size=data.shard_group_size, progress=ctx.progress)
             built[split] = ledger_counts(ledger)
         return cache_summary({split: built[split] for split in all_shards}), {"tokenizer_path": tok.path,
                                                                               "built_by": "single"}
 
-    return pipe.run("token_cache", write)
+    return ctx.run(write)
 
 
 def _tokenizer_files(tok_dir: str) -> dict[str, Path | bytes]:
@@ -141,10 +143,9 @@ def _tokenizer_files(tok_dir: str) -> dict[str, Path | bytes]:
     return {f"tokenizer/{name}": Path(fs.local_copy(fs.join(tok_dir, name))) for name in names}
 
 
-def continuation_hint(pipe: Pipeline) -> str | None:
+def continuation_hint(ctx: BuildContext) -> str | None:
     """When this run starts from step 0 while a run of the same config but for another number of
     steps exists in the store: how to continue that one instead (one line), else None."""
-    mine = pipe.stage_config("train_ckpt")
 
     def without_steps(conf: Any) -> Any:
         conf = json.loads(json.dumps(conf, default=str))
@@ -154,11 +155,11 @@ def continuation_hint(pipe: Pipeline) -> str | None:
                                                                                     "num_epochs")}
         return conf
 
-    want = without_steps(mine)
-    fp = pipe.address("train_ckpt").fingerprint
-    inputs = pipe.address("train_ckpt").inputs
-    for m in reversed(pipe.store.complete("train_ckpt")):
-        if m.get("fingerprint") == fp or m.get("inputs") != inputs or without_steps(m.get("config") or {}) != want:
+    addr = ctx.address()
+    want = without_steps(addr.config)
+    for m in reversed(ctx.store.complete(ctx.stage.name)):
+        if m.get("fingerprint") == addr.fingerprint or m.get("inputs") != addr.inputs \
+                or without_steps(m.get("config") or {}) != want:
             continue
         final = (m.get("summary") or {}).get("final_checkpoint") or m.get("run_dir")
         steps = (m.get("summary") or {}).get("final_step")
@@ -168,12 +169,12 @@ def continuation_hint(pipe: Pipeline) -> str | None:
     return None
 
 
-def train_while_caching(pipe: Pipeline) -> bool:
+def train_while_caching(ctx: BuildContext, inputs: Inputs) -> bool:
     """Whether ``train_ckpt`` trains while the token cache is built in the background: with
     ``data.shuffle: era``, when the cache is not complete (and the run is not), the packing is
     ``concat`` and the run's length does not need the data's size."""
-    cfg = pipe.cfg
-    if cfg.data.shuffle != "era" or pipe.cached("train_ckpt") is not None or pipe.cached("token_cache") is not None:
+    cfg = ctx.cfg
+    if cfg.data.shuffle != "era" or ctx.complete() or inputs.complete("token_cache"):
         return False
     if cfg.data.packing != "concat":
         log.warning("data.shuffle: era trains while the token cache builds with data.packing: concat only "
@@ -187,22 +188,22 @@ def train_while_caching(pipe: Pipeline) -> bool:
 
 
 class _BackgroundCache:
-    """The ``token_cache`` stage built on a thread while training reads the committed prefix of
+    """The ``token_cache`` input built on a thread while training reads the committed prefix of
     its training split (:class:`~lm_pipeline.data.loader.GrowingCacheDataset`)."""
 
-    def __init__(self, pipe: Pipeline):
+    def __init__(self, inputs: Inputs):
         import threading
 
-        self.pipe = pipe
+        self.inputs = inputs
         self.result: StageResult | None = None
         self.error: BaseException | None = None
-        pipe.address("token_cache")  # computed here, not concurrently on the thread
+        inputs.address("token_cache")  # computed here, not concurrently on the thread
         self.thread = threading.Thread(target=self._build, name="lm-pipeline-token-cache", daemon=True)
         self.thread.start()
 
     def _build(self) -> None:
         try:
-            self.result = self.pipe.token_cache()
+            self.result = self.inputs["token_cache"]
         except BaseException as e:  # reported by join(); the reader sees the thread stop
             self.error = e
             log.error("token_cache (built in the background): %s", " ".join(str(e).split()) or type(e).__name__)
@@ -219,7 +220,21 @@ class _BackgroundCache:
         return self.result
 
 
-def _datasets_while_caching(pipe: Pipeline, builder: _BackgroundCache | None):
+def open_datasets(cfg: RunConfig, cache: StageResult):
+    """(train dataset, {validation set: dataset}, tokenizer dir, vocab size) of a complete token
+    cache, packed as ``cfg`` says."""
+    from lm_pipeline.data.loader import open_dataset
+    from lm_pipeline.data.tokenizer import tokenizer_info
+
+    seq_len, packing = cfg.model.seq_len, cfg.data.packing
+    splits = cache.manifest.get("summary", {}).get("splits") or {}
+    train = open_dataset(f"{cache.path}/train", seq_len, packing)
+    evals = {name: open_dataset(f"{cache.path}/{name}", seq_len, packing) for name in splits if name != "train"}
+    tok_dir = cache.manifest["tokenizer_path"]
+    return train, evals, tok_dir, tokenizer_info(tok_dir).vocab_size
+
+
+def _datasets_while_caching(ctx: BuildContext, inputs: Inputs, builder: _BackgroundCache | None):
     """(train dataset, {validation set: dataset}, tokenizer dir, vocab size) of a token cache
     being built: the validation sets once complete (they are built first), the training split as
     it grows (``concat`` rows of its committed prefix)."""
@@ -227,10 +242,10 @@ def _datasets_while_caching(pipe: Pipeline, builder: _BackgroundCache | None):
     from lm_pipeline.data.loader import GrowingCacheDataset, open_dataset
     from lm_pipeline.data.tokenizer import tokenizer_info
 
-    tok_dir = pipe.tokenizer().path
+    tok_dir = inputs["tokenizer"].path
     info = cache_tokenizer_info(tok_dir)  # what the cache's ledger records
-    where = pipe.store.artifact("token_cache", pipe.address("token_cache").fingerprint).path
-    seq_len = pipe.cfg.model.seq_len
+    where = inputs.path("token_cache")
+    seq_len = ctx.cfg.model.seq_len
     alive = builder.alive if builder is not None else None
 
     def growing(split: str) -> GrowingCacheDataset:
@@ -238,61 +253,60 @@ def _datasets_while_caching(pipe: Pipeline, builder: _BackgroundCache | None):
                                    expected_tokenizer_fingerprint=info.fingerprint, builder_alive=alive)
 
     evals = {}
-    for name in pipe.shards():
+    for name in ctx.shards():
         if name != "train":
             growing(name).wait_complete()
             evals[name] = open_dataset(f"{where}/{name}", seq_len, "concat")
     log.info("train_ckpt: training while the token cache is built at %s (data.shuffle: era, %d rows an era)",
-             where, pipe.cfg.data.era_length)
+             where, ctx.cfg.data.era_length)
     return growing("train"), evals, tok_dir, tokenizer_info(tok_dir).vocab_size
 
 
-def train_ckpt(pipe: Pipeline, hooks: Sequence = ()) -> StageResult:
+def _training_data(ctx: BuildContext, inputs: Inputs, background: bool):
+    """(train dataset, validation sets, tokenizer dir, vocab size, the background cache builder or None)."""
+    from lm_pipeline.steps.pipeline import process_index
+
+    if not background:
+        return (*open_datasets(ctx.cfg, inputs["token_cache"]), None)
+    builder = _BackgroundCache(inputs) if process_index(ctx.cfg) == 0 else None
+    try:
+        return (*_datasets_while_caching(ctx, inputs, builder), builder)
+    except BaseException:
+        if builder is not None and builder.error is not None:
+            raise builder.error from None
+        raise
+
+
+def train_ckpt(ctx: BuildContext, inputs: Inputs, hooks: Sequence = ()) -> StageResult:
     """Train (resuming from the run's latest checkpoint); the manifest marks the run finished.
 
     With ``data.shuffle: era`` and the token cache not complete, the cache is built on a
     background thread (by process 0 of a multi-process run) while the run trains on its committed
     prefix (:func:`train_while_caching`); the batches, and so the run, are those of the complete
     cache. The run's manifest is written once the cache is complete too."""
-    background = train_while_caching(pipe)
-    if background:
-        pipe.tokenizer()  # before the thread: one builder of each stage
-        cache = None
-    else:
-        cache = pipe.token_cache()
+    background = train_while_caching(ctx, inputs)
+    inputs["tokenizer" if background else "token_cache"]  # before any thread: one builder of each stage
 
     def write(path: str):
         from lm_pipeline.hf import export_hook
         from lm_pipeline.hf.start import hf_source_config
-        from lm_pipeline.steps.pipeline import process_index
         from lm_pipeline.train.checkpoint import latest_checkpoint
         from lm_pipeline.train.run import train
         from lm_pipeline.train.trainer import StepInfo
 
-        builder = None
-        if background:
-            builder = _BackgroundCache(pipe) if process_index(pipe.cfg) == 0 else None
-            try:
-                train_ds, evals, tok_dir, vocab = _datasets_while_caching(pipe, builder)
-            except BaseException:
-                if builder is not None and builder.error is not None:
-                    raise builder.error from None
-                raise
-        else:
-            train_ds, evals, tok_dir, vocab = pipe.datasets(cache)
-        run_dir = pipe.run_dir()
-        if latest_checkpoint(run_dir) is None and not pipe.cfg.trainer.load_checkpoint_path:
-            hint = continuation_hint(pipe)
+        train_ds, evals, tok_dir, vocab, builder = _training_data(ctx, inputs, background)
+        run_dir, run_id = ctx.run_dir(), ctx.run_id()
+        if latest_checkpoint(run_dir) is None and not ctx.cfg.trainer.load_checkpoint_path:
+            hint = continuation_hint(ctx)
             if hint:
                 log.warning("%s", hint)
         # Levanter's hf_save_steps: export every N steps, and once more at the end.
-        hf_hook = export_hook(pipe.export_config, run_dir=run_dir, tokenizer_dir=tok_dir, run_id=pipe.run_id(),
-                              hf_source=hf_source_config(pipe.cfg) if pipe.export_config.hf_save_steps else None)
+        hf_hook = export_hook(ctx.export_config, run_dir=run_dir, tokenizer_dir=tok_dir, run_id=run_id,
+                              hf_source=hf_source_config(ctx.cfg) if ctx.export_config.hf_save_steps else None)
         try:
-            res = train(pipe.cfg, train_data=train_ds, vocab_size=vocab, eval_data=evals,
+            res = train(ctx.cfg, train_data=train_ds, vocab_size=vocab, eval_data=evals,
                         eval_bytes_per_token={n: d.bytes_per_token for n, d in evals.items()},
-                        run_id=pipe.run_id(), run_dir=run_dir,
-                        extra_checkpoint_files=_tokenizer_files(tok_dir),
+                        run_id=run_id, run_dir=run_dir, extra_checkpoint_files=_tokenizer_files(tok_dir),
                         hooks=[*hooks, *([hf_hook] if hf_hook else [])])
         except BaseException:
             if builder is not None and builder.error is not None:  # the cause, rather than the stalled reader
@@ -308,24 +322,24 @@ def train_ckpt(pipe: Pipeline, hooks: Sequence = ()) -> StageResult:
         final = latest_checkpoint(run_dir) or (res.checkpoints[-1] if res.checkpoints else None)
         summary = {"final_step": res.final_step, "final_checkpoint": final, "resumed_from": res.resumed_from,
                    **{k: v for k, v in res.metrics.items() if isinstance(v, (int, float))}}
-        return summary, {"run_dir": run_dir, "run_id": pipe.run_id(), "final_checkpoint": final,
+        return summary, {"run_dir": run_dir, "run_id": run_id, "final_checkpoint": final,
                          "checkpoints": res.checkpoints, "eval_history": res.eval_history,
                          "train_seconds": res.train_seconds, "resumed_from": res.resumed_from}
 
-    return pipe.run("train_ckpt", write)
+    return ctx.run(write)
 
 
-def eval_report(pipe: Pipeline, checkpoint: str | None = None) -> StageResult:
+def eval_report(ctx: BuildContext, inputs: Inputs, checkpoint: str | None = None) -> StageResult:
     """Evaluate a checkpoint (default: the run's final one) on every validation set, with the
     unigram baseline; the report is written as Parquet + JSON under the artifact."""
-    ckpt, step = pipe.checkpoint(checkpoint)
-    cache = pipe.token_cache()
+    ckpt, step = inputs.checkpoint(checkpoint)
+    cache = inputs["token_cache"]
 
     def write(path: str):
         from lm_pipeline.eval import evaluate_checkpoint, write_report
 
-        _, evals, _, _ = pipe.datasets(cache)
-        ev = pipe.eval_config
+        _, evals, _, _ = open_datasets(ctx.cfg, cache)
+        ev = ctx.eval_config
         t0 = time.perf_counter()
         df = evaluate_checkpoint(ckpt, evals, batch_size=ev.batch_size, max_eval_batches=ev.max_eval_batches,
                                  compute_dtype=ev.compute_dtype,
@@ -337,34 +351,34 @@ def eval_report(pipe: Pipeline, checkpoint: str | None = None) -> StageResult:
                    **{k: micro.get(k) for k in ("loss", "perplexity", "bpb", "unigram_loss", "unigram_bpb", "tokens")}}
         return summary, {"checkpoint": ckpt, "step": step, "report": files, "rows": rows}
 
-    return pipe.run("eval_report", write, step=step)
+    return ctx.run(write, step=step)
 
 
-def hf_export(pipe: Pipeline, checkpoint: str | None = None, *, sample_prompt: str | None = "import ",
-              sample_tokens: int = 48) -> StageResult:
+def hf_export(ctx: BuildContext, inputs: Inputs, checkpoint: str | None = None, *,
+              sample_prompt: str | None = "import ", sample_tokens: int = 48) -> StageResult:
     """Export a checkpoint (default: the run's final one) as a ``transformers`` model directory
     (the artifact directory itself); a short sample of its text (temperature 0.8, top-k 40,
     seed 0: reproducible) is recorded in the manifest."""
-    ckpt, step = pipe.checkpoint(checkpoint)
+    ckpt, step = inputs.checkpoint(checkpoint)
 
     def write(path: str):
         from lm_pipeline.hf import export_hf
 
-        ex = pipe.export_config
+        ex = ctx.export_config
         t0 = time.perf_counter()
         export_hf(ckpt, path, dtype=ex.dtype, max_shard_size=ex.max_shard_size, overwrite=True,
-                  progress=None if pipe.progress else False)
+                  progress=None if ctx.progress else False)
         files = sorted(p.name for p in Path(path).iterdir() if p.is_file())  # ``path``: local (staged)
         size = sum((Path(path) / f).stat().st_size for f in files)
         summary: dict[str, Any] = {"step": step, "checkpoint": ckpt, "files": files, "bytes": size,
                                    "export_seconds": round(time.perf_counter() - t0, 3)}
         if sample_prompt is not None:
-            summary.update(_sample(ckpt, sample_prompt, sample_tokens, pipe.cfg.model.seq_len))
+            summary.update(_sample(ckpt, sample_prompt, sample_tokens, ctx.cfg.model.seq_len))
         return summary, {"checkpoint": ckpt, "step": step}
 
     # export_hf writes a local directory: on an object store it is written in a local staging
-    # directory and uploaded before the manifest (Pipeline.run's ``staged``).
-    return pipe.run("hf_export", write, step=step, staged=True)
+    # directory and uploaded before the manifest (``ctx.run``'s ``staged``).
+    return ctx.run(write, step=step, staged=True)
 
 
 def _sample(ckpt: str, prompt: str, tokens: int, seq_len: int) -> dict[str, Any]:

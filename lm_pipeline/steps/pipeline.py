@@ -31,7 +31,8 @@ from lm_pipeline.steps import fanout
 from lm_pipeline.steps.plan import plan as _plan
 from lm_pipeline.steps.plan import plan_text as _plan_text
 from lm_pipeline.steps.result import Address, StageResult
-from lm_pipeline.steps.stages import STAGES, Stage, stage_table
+from lm_pipeline.steps.stage import BuildContext, Inputs, Stage
+from lm_pipeline.steps.stages import stage_table
 from lm_pipeline.store import ArtifactStore, naming_storage_errors
 
 log = logging.getLogger(__name__)
@@ -88,14 +89,14 @@ class Pipeline:
     """
 
     def __init__(self, cfg: RunConfig, store: ArtifactStore | None = None, *, progress: bool = True,
-                 eval_config: Any = None, export_config: Any = None, stages: Sequence[Stage] = STAGES):
+                 eval_config: Any = None, export_config: Any = None, stages: Sequence[Stage] | None = None):
         self.cfg = cfg
         # data.cache_dir keeps token caches outside the store (the store keeps pointers to them)
         self.store = (store or ArtifactStore(cfg.store.root)).with_stage_root("token_cache", cfg.data.cache_dir)
         self.progress = progress
         self._eval_config = eval_config
         self._export_config = export_config
-        self.stages: dict[str, Stage] = stage_table(tuple(stages))
+        self.stages: dict[str, Stage] = stage_table(None if stages is None else tuple(stages))
         self._memo = _Memo()
 
     def with_config(self, cfg: RunConfig) -> Pipeline:
@@ -398,7 +399,7 @@ class Pipeline:
 
                 source = (self.cfg.data.train_sources() or ["train_urls"])[0]
                 raise DataValidationError(f"data.{source}", "", "no_training_text", problem)
-        return stage.build(self, **options)
+        return stage.build(BuildContext(self, stage), Inputs(self, stage), **options)
 
     # -- the stages by name (the build functions are in lm_pipeline.steps.builders) -------------------
 
@@ -435,16 +436,9 @@ class Pipeline:
 
     def datasets(self, cache: StageResult | None = None):
         """(train dataset, {validation set: dataset}, tokenizer dir, vocab size) from the cache."""
-        from lm_pipeline.data.loader import open_dataset
-        from lm_pipeline.data.tokenizer import tokenizer_info
+        from lm_pipeline.steps.builders import open_datasets
 
-        cache = cache or self.token_cache()
-        seq_len, packing = self.cfg.model.seq_len, self.cfg.data.packing
-        train = open_dataset(f"{cache.path}/train", seq_len, packing)
-        evals = {name: open_dataset(f"{cache.path}/{name}", seq_len, packing)
-                 for name in self.shards() if name != "train"}
-        tok_dir = cache.manifest["tokenizer_path"]
-        return train, evals, tok_dir, tokenizer_info(tok_dir).vocab_size
+        return open_datasets(self.cfg, cache or self.token_cache())
 
     def run_id(self) -> str:
         """The training run's id: ``trainer.id`` if set, else the train_ckpt fingerprint."""
@@ -459,21 +453,6 @@ class Pipeline:
         if base:
             return f"{base.rstrip('/')}/{self.run_id()}"
         return self.store.artifact("train_ckpt", self.address("train_ckpt").fingerprint).path
-
-    def checkpoint(self, checkpoint: str | None = None) -> tuple[str, int]:
-        """(complete checkpoint dir, its step): the given one, else the finished run's final one
-        (training first if the run is not finished)."""
-        from lm_pipeline.train.checkpoint import latest_checkpoint, read_metadata
-
-        if checkpoint is None:
-            run = self.train_ckpt()
-            checkpoint = run.manifest.get("final_checkpoint") or latest_checkpoint(run.manifest.get("run_dir", run.path))
-            if checkpoint is None:
-                raise FileNotFoundError(f"training run {run.path} has no complete checkpoint")
-        found = latest_checkpoint(checkpoint)
-        if found is None:
-            raise FileNotFoundError(f"no complete checkpoint at or under {checkpoint}")
-        return found, int(read_metadata(found)["step"])
 
     # ---------------------------------------------------------------- the plan (lm_pipeline.steps.plan)
 

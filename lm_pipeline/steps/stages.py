@@ -4,54 +4,24 @@ raw_shards -> tokenizer -> token_cache -> train_ckpt -> eval_report, hf_export
 
 Each :class:`Stage` says what the stage reads (its semantic config, its upstream stages, any
 input that is not a stage), its code version and what builds it. Everything else is derived from
-this table: the fingerprints and addresses (:class:`lm_pipeline.steps.Pipeline`), the plan, the
-command line's building subcommands and the Dagster assets (``assets/pipeline.py``). Adding a
-stage is one entry here, one build function in :mod:`lm_pipeline.steps.builders`, and its
-metadata in ``assets/metadata.py``.
+this table: the fingerprints and addresses (:class:`lm_pipeline.steps.Pipeline`), the plan,
+lineage, the command line's building subcommands and the Dagster assets (``assets/stages.py``).
+The declaration (:class:`lm_pipeline.steps.stage.Stage`) carries the build function and what the
+result shows, so adding a stage is its own module (declaration, config, builder, metadata) and
+one entry here (see "How to add a stage" in docs/architecture.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lm_pipeline import fs
 from lm_pipeline.fingerprint import semantic_view
-from lm_pipeline.steps import builders
+from lm_pipeline.steps import builders, shown
+from lm_pipeline.steps.stage import Stage
 
 if TYPE_CHECKING:
     from lm_pipeline.steps.pipeline import Pipeline
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One stage, declared once.
-
-    ``config(pipe)`` is the stage's semantic config as plain data (what enters its hash);
-    ``upstream`` the stages whose artifacts it reads (its lineage, and the inputs of its hash
-    unless ``input_stages`` narrows them for a config); ``sources(pipe, content)`` the inputs that
-    are not stages (content hashes of data files; with ``content=False`` only what is known
-    without reading the data); ``build(pipe, **options)`` builds it (its upstream first) and is a
-    cache hit when its artifact is complete. ``per_checkpoint`` stages read one checkpoint of the
-    run, whose step enters their address.
-    """
-
-    name: str
-    code_version: int  # bumped by hand when what the stage produces changes
-    upstream: tuple[str, ...]
-    config: Callable[[Pipeline], Any]
-    build: Callable[..., Any]
-    description: str
-    kind: str  # what the artifact is made of (the Dagster asset's kind)
-    input_stages: Callable[[Pipeline], tuple[str, ...]] | None = None
-    sources: Callable[[Pipeline, bool], dict[str, Any]] | None = None
-    per_checkpoint: bool = False
-    command: tuple[str, str] | None = None  # the ``lm-pipeline`` subcommand that builds it, and its help
-
-    def hashed_upstream(self, pipe: Pipeline) -> tuple[str, ...]:
-        """The upstream stages whose fingerprints are inputs of this stage's fingerprint."""
-        return self.input_stages(pipe) if self.input_stages is not None else self.upstream
 
 
 # -- semantic configs and non-stage inputs --------------------------------------------------------
@@ -132,35 +102,43 @@ def _train_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
 # lm_pipeline.data.tokenizer.MAX_TRAIN_WORD characters.
 STAGES: tuple[Stage, ...] = (
     Stage("raw_shards", 1, (), _raw_shards_config, builders.raw_shards, sources=_raw_shards_sources,
-          kind="python",
+          kind="python", metadata=shown.raw_shards,
           description="Every raw text shard, validated under the experiment's policy, with per-shard counts."),
     Stage("tokenizer", 2, ("raw_shards",), _tokenizer_config, builders.tokenizer,
-          input_stages=_tokenizer_input_stages, sources=_tokenizer_sources, kind="python",
+          input_stages=_tokenizer_input_stages, sources=_tokenizer_sources, kind="python", metadata=shown.tokenizer,
           description="The byte-level BPE trained on the training shards (or the configured HF tokenizer)."),
     Stage("token_cache", 1, ("raw_shards", "tokenizer"), lambda pipe: {}, builders.token_cache,
           kind="tensorstore", command=("cache", "build the raw shards, tokenizer and token cache only"),
-          description="Every split tokenized into a TensorStore token cache."),
+          metadata=shown.token_cache, description="Every split tokenized into a TensorStore token cache."),
     Stage("train_ckpt", 1, ("token_cache",), _train_config, builders.train_ckpt, kind="jax", sources=_train_sources,
           command=("train", "train a model (builds the tokenizer and token cache first if needed)"),
+          pool="training", metadata=shown.train_ckpt,
           description="The training run (resumable): its checkpoints, metrics and loss curve."),
     Stage("eval_report", 1, ("train_ckpt", "token_cache"), lambda pipe: semantic_view(pipe.eval_config),
-          builders.eval_report, per_checkpoint=True, kind="pandas",
+          builders.eval_report, per_checkpoint=True, kind="pandas", pool="evaluation", metadata=shown.eval_report,
           description="Loss, perplexity and bits per byte of the final checkpoint on every validation set, "
                       "with a unigram baseline (Parquet + JSON)."),
     Stage("hf_export", 1, ("train_ckpt",), lambda pipe: semantic_view(pipe.export_config), builders.hf_export,
-          per_checkpoint=True, kind="huggingface",
+          per_checkpoint=True, kind="huggingface", metadata=shown.hf_export,
           description="The final checkpoint as a Hugging Face transformers model directory."),
 )
 
+#: The names of the stages of :data:`STAGES` as declared (read :func:`stage_table` for the table now).
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
 
 
-def stage_table(stages: tuple[Stage, ...] = STAGES) -> dict[str, Stage]:
-    """The table by name, checked: names unique, every upstream stage declared before its reader."""
+def stage_table(stages: tuple[Stage, ...] | None = None) -> dict[str, Stage]:
+    """The table by name (default: :data:`STAGES`, read when called), checked: names unique, every
+    upstream stage declared before its reader."""
     out: dict[str, Stage] = {}
-    for s in stages:
+    for s in STAGES if stages is None else stages:
         missing = [u for u in s.upstream if u not in out]
         if s.name in out or missing:
             raise ValueError(f"stage table: {s.name!r} is declared twice or reads undeclared stages {missing}")
         out[s.name] = s
     return out
+
+
+def build_commands() -> dict[str, Stage]:
+    """The ``lm-pipeline`` subcommands that build a stage (and the stages before it), by name."""
+    return {s.command[0]: s for s in stage_table().values() if s.command}
