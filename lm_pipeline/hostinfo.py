@@ -47,9 +47,9 @@ def _jax_backend() -> str | None:
     if "jax" not in sys.modules:
         return None
     try:
-        from jax._src import xla_bridge
+        from lm_pipeline import jax_private
 
-        if not getattr(xla_bridge, "_backends", None):
+        if not jax_private.backends_initialized():
             return None
         import jax
 

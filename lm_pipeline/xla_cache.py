@@ -149,15 +149,15 @@ _atomic_class: list[type] = []
 
 
 def atomic_cache_class() -> type:
-    """JAX's file cache (``jax._src.lru_cache.LRUCache``) whose ``put`` writes a temporary file in
-    the directory and renames it into place (readers see a whole entry or none). With a size bound
-    (``jax_compilation_cache_max_size``) JAX's own locked ``put`` is kept. Raises ImportError when
-    JAX has no such class."""
+    """JAX's file cache (:func:`lm_pipeline.jax_private.file_cache_class`) whose ``put``
+    writes a temporary file in the directory and renames it into place (readers see a whole entry
+    or none). With a size bound (``jax_compilation_cache_max_size``) JAX's own locked ``put`` is
+    kept. Raises ImportError when JAX has no such class."""
     if _atomic_class:
         return _atomic_class[0]
-    from jax._src.lru_cache import LRUCache
+    from lm_pipeline import jax_private
 
-    class AtomicLRUCache(LRUCache):
+    class AtomicLRUCache(jax_private.file_cache_class()):
         def put(self, key: str, value: bytes) -> None:
             if getattr(self, "eviction_enabled", True):
                 return super().put(key, value)
@@ -183,31 +183,27 @@ def atomic_cache_class() -> type:
 def _install_atomic_cache(path: str) -> bool:
     """Open JAX's cache for ``path`` as :func:`atomic_cache_class`; False (JAX opens its own cache
     as usual) when JAX's internals are not as expected or its cache is already open."""
-    try:
-        from jax._src import compilation_cache as cc
-        from jax._src import config as jax_config
+    import jax
 
-        cls = atomic_cache_class()
-    except ImportError:
+    from lm_pipeline import jax_private
+
+    if jax_private.problems():
         return False
-    if not all(hasattr(cc, n) for n in ("_cache", "_cache_initialized", "_cache_initialized_mutex")):
+    cls = atomic_cache_class()
+    try:
+        cache = jax_private.install_compilation_cache(
+            lambda: cls(path, max_size=jax.config.jax_compilation_cache_max_size))
+    except Exception as e:  # noqa: BLE001 - JAX's own initialization will try again
+        log.debug("atomic XLA cache not installed: %s", e)
         return False
-    with cc._cache_initialized_mutex:
-        if cc._cache is not None:
-            return isinstance(cc._cache, cls)
-        try:
-            cc._cache = cls(path, max_size=jax_config.compilation_cache_max_size.value)
-        except Exception as e:  # noqa: BLE001 - JAX's own initialization will try again
-            log.debug("atomic XLA cache not installed: %s", e)
-            return False
-        cc._cache_initialized = True
-    return True
+    return isinstance(cache, cls)
 
 
 def installed_cache() -> object | None:
     """JAX's open persistent cache object in this process (None before the first use)."""
+    from lm_pipeline import jax_private
+
     try:
-        from jax._src import compilation_cache as cc
-    except ImportError:
+        return jax_private.open_compilation_cache()
+    except (ImportError, AttributeError):
         return None
-    return getattr(cc, "_cache", None)

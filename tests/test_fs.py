@@ -202,7 +202,7 @@ def test_staged_url_is_uploaded_on_exit_with_the_marker_last(tmp_path, mem, monk
     target = f"{mem}/out"
     order = []
     real_put = fs.put
-    monkeypatch.setattr(fs, "put", lambda src, dst: order.append(fs.basename(dst)) or real_put(src, dst))
+    monkeypatch.setattr(fs.trees, "put", lambda src, dst: order.append(fs.basename(dst)) or real_put(src, dst))
     with fs.staged(target, last=("marker",)) as local:
         assert os.path.isdir(local) and not fs.exists(target)  # a real local directory, not yet published
         for name in ("marker", "a", "b"):
@@ -231,8 +231,8 @@ def test_staged_clear_removes_an_earlier_upload_marker_first(mem, monkeypatch):
         _mem_write(f"{target}/{name}", b"old")
     removed = []
     real_remove, real_rmtree = fs.remove, fs.rmtree
-    monkeypatch.setattr(fs, "remove", lambda p: removed.append(("remove", fs.basename(p))) or real_remove(p))
-    monkeypatch.setattr(fs, "rmtree", lambda p: removed.append(("rmtree", fs.basename(p))) or real_rmtree(p))
+    monkeypatch.setattr(fs.trees, "remove", lambda p: removed.append(("remove", fs.basename(p))) or real_remove(p))
+    monkeypatch.setattr(fs.trees, "rmtree", lambda p: removed.append(("rmtree", fs.basename(p))) or real_rmtree(p))
     with fs.staged(target, last=("marker",), clear=True) as local:
         for name in ("marker", "a"):
             with open(os.path.join(local, name), "w") as f:
@@ -273,12 +273,12 @@ def test_move_on_an_object_store_deletes_the_marker_first(mem, monkeypatch):
     def killed(path):  # the process dies after the marker is deleted, before the rest
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(fs, "rmtree", killed)
+    monkeypatch.setattr(fs.trees, "rmtree", killed)
     with pytest.raises(KeyboardInterrupt):
         fs.move(f"{mem}/src", f"{mem}/dst", first=("marker",))
     assert fs.file_sizes(f"{mem}/src") == {"a": 1, "sub/b": 5}  # no longer complete
     assert fs.file_sizes(f"{mem}/dst") == {"a": 1, "marker": 6, "sub/b": 5}
-    monkeypatch.setattr(fs, "rmtree", real_rmtree)
+    monkeypatch.setattr(fs.trees, "rmtree", real_rmtree)
     fs.rmtree(f"{mem}/dst")
     _mem_write(f"{mem}/src/marker", b"marker")
     fs.move(f"{mem}/src", f"{mem}/dst", first=("marker",))
@@ -290,7 +290,7 @@ def test_move_on_an_object_store_deletes_the_marker_first(mem, monkeypatch):
 
 def test_access_problems_lists_each_bucket_once_and_names_each_url(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(fs, "access_problem", lambda url: calls.append(url) or f"{url}: the bucket is missing")
+    monkeypatch.setattr(fs.remote, "access_problem", lambda url: calls.append(url) or f"{url}: the bucket is missing")
     urls = ["s3://b/x", "s3://b/y/z", str(tmp_path), "file:///tmp/a", "s3://c/w", "nosuch://b/q"]
     problems = fs.access_problems(urls)
     assert calls == ["s3://b", "s3://c"]  # one listing per bucket, none for local paths

@@ -228,7 +228,7 @@ def test_hf_export_to_a_url_is_the_local_export_published_with_config_json_last(
     local = Path(export_hf(model, tmp_path / "local", max_shard_size="8KB"))  # sharded: several files
     uploaded: list[str] = []
     real_put = fs.put
-    monkeypatch.setattr(fs, "put", lambda src, dst: (uploaded.append(fs.basename(dst)), real_put(src, dst)))
+    monkeypatch.setattr(fs.trees, "put", lambda src, dst: (uploaded.append(fs.basename(dst)), real_put(src, dst)))
     url = s3_bucket.url("hf", "step-1")
     assert export_hf(model, url, max_shard_size="8KB") == url
     names = sorted(p.name for p in local.iterdir())

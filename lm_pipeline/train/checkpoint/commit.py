@@ -32,11 +32,9 @@ def log_on_primary(logger: logging.Logger, msg: str, *args: Any) -> None:
 
 def _kv_client() -> Any:
     """The jax.distributed coordination client (key-value store), as Orbax also uses it."""
-    # No public JAX API exposes the coordination client (jax.distributed exports only
-    # initialize/is_initialized/shutdown); Orbax reads the same private attribute.
-    from jax._src import distributed
+    from lm_pipeline import jax_private  # no public JAX API exposes it
 
-    client = distributed.global_state.client
+    client = jax_private.coordination_client()
     if client is None:
         raise RuntimeError("multi-process checkpointing needs jax.distributed.initialize()")
     return client
