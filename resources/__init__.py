@@ -233,6 +233,7 @@ class TrainingLauncherResource(dg.ConfigurableResource):
         from ray.job_submission import JobSubmissionClient
 
         try:
+            # A Ray dashboard address, not a storage path: a bare host:port is Ray's HTTP one.
             return JobSubmissionClient(addr if "://" in addr else f"http://{addr}")
         except Exception as e:
             lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]

@@ -128,7 +128,8 @@ class Checkpointer:
             raise ValueError("Checkpointer needs a directory: set checkpointer.base_path or pass base_path_override")
         self.base_path = fs.norm(base)
         # Object store, several processes: each stages into its own local dir (no shared
-        # filesystem needed, the processes may be on different hosts), see .remote.
+        # filesystem needed, the processes may be on different hosts), see .remote. A choice of
+        # Orbax's save mode, not a path operation fs could do for it: the one such branch here.
         self._per_process = not fs.is_local(self.base_path) and jax.process_count() > 1
         self._clock = clock
         self._interval = config.save_interval_seconds
