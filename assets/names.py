@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from lm_pipeline.steps import STAGE_NAMES
 
-#: The stages of every experiment's lineage, in order.
+#: The stages of every experiment's lineage as the table declares them, in order (the deployment
+#: reads the table itself: :attr:`assets.deployment.Deployment.stages`).
 LINEAGE = STAGE_NAMES
 
 #: The command that runs Dagster on this code location with a persistent instance (assets/__main__.py).

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from lm_pipeline import fs
-from lm_pipeline.steps.stages import STAGES
+from lm_pipeline.steps.stages import stage_table
 from lm_pipeline.store import MANIFEST, ArtifactStore
 
 __all__ = ["MIN_PREFIX", "AmbiguousFingerprint", "IncompleteArtifact", "LineageError", "UnknownArtifact",
@@ -32,7 +32,6 @@ __all__ = ["MIN_PREFIX", "AmbiguousFingerprint", "IncompleteArtifact", "LineageE
 MIN_PREFIX = 6
 
 _HEX = re.compile(r"^[0-9a-f]+$")
-_STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
 
 
 class LineageError(ValueError):
@@ -60,13 +59,13 @@ class IncompleteArtifact(LineageError):
 
 def _how_to_build(stage: str) -> str:
     """What (re)builds ``stage``: the first command-line subcommand that builds it, else its asset."""
-    table = {s.name: s for s in STAGES}
+    table = stage_table()
 
     def upstream(name: str) -> set[str]:
         st = table.get(name)
         return set() if st is None else {u for up in st.upstream for u in (up, *upstream(up))}
 
-    for s in STAGES:
+    for s in table.values():
         if s.command and (s.name == stage or stage in upstream(s.name)):
             return f"`lm-pipeline {s.command[0]} --config_path <its experiment's config>`"
     return f"materialize the Dagster asset {stage}"
@@ -158,7 +157,7 @@ def _from_fingerprint(arg: str, store_root: str, stages: Sequence[str]) -> tuple
 
 
 def resolve(arg: str, store_root: str | None = None,
-            stages: Sequence[str] = _STAGE_NAMES) -> tuple[ArtifactStore, str, str]:
+            stages: Sequence[str] | None = None) -> tuple[ArtifactStore, str, str]:
     """(store, stage, fingerprint) of the complete artifact that ``arg`` names.
 
     ``arg``: a path or URL inside an artifact (the artifact directory, a checkpoint's ``step-N``, a
@@ -168,6 +167,7 @@ def resolve(arg: str, store_root: str | None = None,
     searched in every stage directory of ``store_root``. Raises :class:`LineageError` (unknown,
     ambiguous, incomplete) with a message that says what to do.
     """
+    stages = tuple(stage_table()) if stages is None else stages
     arg = arg.strip()
     if not arg:
         raise UnknownArtifact("no artifact given: pass a path inside an artifact or a fingerprint")
@@ -221,7 +221,7 @@ def _step(store: ArtifactStore, stage: str, fp: str, stages: Sequence[str]) -> d
 
 
 def lineage(store: ArtifactStore | str, stage: str, fingerprint: str,
-            stages: Sequence[str] = _STAGE_NAMES) -> list[dict[str, Any]]:
+            stages: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """The artifact and every artifact it was made from, each after all that read it.
 
     Each step: ``stage``, ``fingerprint``, ``path``, ``status`` (``complete``; ``missing``: not in
@@ -235,6 +235,7 @@ def lineage(store: ArtifactStore | str, stage: str, fingerprint: str,
     that reads it, later stages (in ``stages`` order) first among those ready together:
     ``hf_export, train_ckpt, token_cache, tokenizer, raw_shards``.
     """
+    stages = tuple(stage_table()) if stages is None else stages
     store = ArtifactStore(store) if isinstance(store, str) else store
     found: dict[tuple[str, str], dict[str, Any]] = {}
     readers: dict[tuple[str, str], list[tuple[str, str]]] = {}
