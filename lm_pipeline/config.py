@@ -76,7 +76,7 @@ class RunConfig:
             if "checkpointer" in trainer:
                 raise ConfigError("checkpointer", "given twice (top-level and as trainer.checkpointer)")
             data["trainer"] = {**trainer, "checkpointer": data.pop("checkpointer")}
-        data = _hf_model_config_raw(data)
+        data = _hf_model_config_raw(_levanter_top_level_raw(data))
         moved = {k: data.pop(k) for k in TOP_LEVEL_EXPORT_KEYS if k in data}
         if moved:
             export = data.get("export")
@@ -91,6 +91,37 @@ class RunConfig:
                 export[k] = v
             data["export"] = export
         return data
+
+
+def _levanter_top_level_raw(data: dict[str, Any]) -> dict[str, Any]:
+    """Levanter's top-level keys of its training script: ``initialize_from_hf: true`` starts from
+    ``model.reference_checkpoint``; ``z_loss_weight`` and ``epoch`` (a cap on passes over the data,
+    0 = none) are ``trainer.z_loss_weight`` and ``trainer.max_epochs``."""
+    from lm_pipeline.levanter import note
+
+    if data.get("initialize_from_hf") is True:
+        model = data.get("model")
+        source = model.pop("reference_checkpoint", None) if isinstance(model, dict) else None
+        if not isinstance(source, str):
+            raise ConfigError("initialize_from_hf", "Levanter's `initialize_from_hf: true` starts from "
+                              "model.reference_checkpoint, which is not given: set model.reference_checkpoint or "
+                              "initialize_from_hf to a Hugging Face model (a local directory or org/name)")
+        data["initialize_from_hf"] = source
+        note("initialize_from_hf", f"Levanter's initialize_from_hf: true starts from model.reference_checkpoint "
+             f"({source}) here")
+    elif data.get("initialize_from_hf") is False:
+        data.pop("initialize_from_hf")
+    for key, target in (("z_loss_weight", "z_loss_weight"), ("epoch", "max_epochs")):
+        if key in data:
+            trainer = data.get("trainer")
+            trainer = {} if trainer is None else trainer
+            if not isinstance(trainer, dict):
+                raise ConfigError("trainer", "expected a mapping")
+            if target in trainer:
+                raise ConfigError(key, f"given twice (top-level {key} and trainer.{target}); keep one")
+            value = data.pop(key)
+            data["trainer"] = {**trainer, target: None if key == "epoch" and value == 0 else value}
+    return data
 
 
 def _hf_model_config_raw(data: dict[str, Any]) -> dict[str, Any]:

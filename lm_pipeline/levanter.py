@@ -80,11 +80,10 @@ LEVANTER_KEYS: tuple[LevanterKey, ...] = (
     _k("trainer.quantization", "fp8 / int8 quantized training", "refused",
        "remove it (training runs in trainer.mp)"),
     _k("trainer.model_averaging", "an EMA of the weights used for evaluation", "refused", "remove it"),
-    _k("z_loss_weight", "an auxiliary z-loss on the log-partition function", "refused", "remove it"),
-    _k("epoch", "the number of passes over the data", "refused", "use trainer.num_epochs"),
-    _k("model.rope", "the rotary embedding's scaling (yarn, llama3)", "refused",
-       "use model.rope_theta for the base; scaled rotary embeddings are not available"),
-    _k("model.use_layer_norm_weight", "norms without a learned scale", "refused", "remove it (norms have a scale here)"),
+    _k("model.rope", "the rotary embedding and its scaling", "refused",
+       "GPT-2 has learned positions; rotary embeddings are the llama family's (type: llama)"),
+    _k("model.use_layer_norm_weight", "norms without a learned scale", "refused",
+       "GPT-2's LayerNorms always have a scale here; the llama family has use_layer_norm_weight"),
     _k("optimizer.gamma", "Sophia's clipping threshold", "refused", "remove it with optimizer.type"),
     _k("optimizer.cooldown", "a cooldown phase of the schedule", "refused", "use optimizer.decay (WSD)"),
     _k("optimizer.haps", "learning-rate cycle boundaries", "refused", "use optimizer.cycles"),
@@ -92,8 +91,6 @@ LEVANTER_KEYS: tuple[LevanterKey, ...] = (
        "weight decay applies to matrices here; remove it"),
     _k("optimizer.default_weight_decay_mask", "the default weight decay mask", "refused",
        "weight decay applies to matrices here; remove it"),
-    _k("eval_harness", "lm-eval-harness tasks run during training", "refused", "remove it"),
-    _k("eval_harness_steps", "how often the harness runs", "refused", "remove it"),
 )
 
 _BY_PATH = {k.path: k for k in LEVANTER_KEYS}

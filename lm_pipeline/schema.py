@@ -73,6 +73,7 @@ def field(
     help: str,
     semantic: bool = True,
     aliases: tuple[str, ...] = (),
+    hashed_at_default: bool = True,
 ) -> Any:
     """Declare a config field.
 
@@ -81,8 +82,11 @@ def field(
         help: one sentence for the generated configuration reference.
         semantic: True if the value can change an artifact's bytes (it enters fingerprints).
         aliases: other names accepted for this key (e.g. Levanter's spelling).
+        hashed_at_default: False for a semantic field added after artifacts were built: it enters
+            fingerprints only when set to another value than its default, so every existing
+            address stays what it was.
     """
-    meta = {"help": help, "semantic": semantic, "aliases": tuple(aliases)}
+    meta = {"help": help, "semantic": semantic, "aliases": tuple(aliases), "hashed_at_default": hashed_at_default}
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -319,6 +323,8 @@ def to_dict(cfg: Any, *, semantic_only: bool = False) -> Any:
         for f in dataclasses.fields(cfg):
             if semantic_only and not f.metadata.get("semantic", True):
                 continue
+            if semantic_only and not f.metadata.get("hashed_at_default", True) and _is_default(f, getattr(cfg, f.name)):
+                continue
             out[f.name] = to_dict(getattr(cfg, f.name), semantic_only=semantic_only)
         return out
     if isinstance(cfg, (list, tuple)):
@@ -326,6 +332,11 @@ def to_dict(cfg: Any, *, semantic_only: bool = False) -> Any:
     if isinstance(cfg, dict):
         return {str(k): to_dict(v, semantic_only=semantic_only) for k, v in cfg.items()}
     return cfg
+
+
+def _is_default(f: dataclasses.Field, value: Any) -> bool:
+    default = f.default_factory() if f.default_factory is not MISSING else f.default
+    return value == default
 
 
 def replace(cfg: T, **changes: Any) -> T:

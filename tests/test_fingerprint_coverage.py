@@ -92,9 +92,9 @@ STAGE_OF: dict[str, str | None] = {
             "scale_attn_by_inverse_layer_idx upcast_attn use_bias"),
     **_each("train_ckpt", "model[llama].", "type seq_len hidden_dim intermediate_dim num_layers num_heads "
             "num_kv_heads head_dim activation_function initializer_range layer_norm_epsilon rope_theta "
-            "tie_word_embeddings use_bias upcast_attn"),
+            "tie_word_embeddings use_bias upcast_attn use_layer_norm_weight"),
     **_each("train_ckpt", "trainer.", "seed num_train_steps num_epochs train_tokens train_batch_size mp "
-            "initialize_from"),
+            "initialize_from max_epochs z_loss_weight"),
     **_each("train_ckpt", "optimizer.", "learning_rate weight_decay beta1 beta2 epsilon max_grad_norm "
             "lr_schedule min_lr_ratio warmup decay rewarmup cycles cycle_length skip_bad_steps "
             "skip_grad_norm_factor skip_warmup_steps skip_ema_decay"),

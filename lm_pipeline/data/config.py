@@ -161,6 +161,38 @@ class SourceConfig:
         return out
 
 
+def _levanter_data_raw(data: dict[str, Any]) -> dict[str, Any]:
+    """Levanter's ``shuffle: true`` (one permutation of the whole dataset per epoch) is ``shuffle:
+    epoch``; ``shuffle: N`` (era shuffling with eras of N rows) is ``shuffle: era, era_length: N``;
+    ``shuffle: false`` (the data's own order) is refused. ``enforce_eos: true`` is what the token
+    cache does (every document ends with EOS); false is refused."""
+    from lm_pipeline.levanter import note
+
+    shuffle = data.get("shuffle")
+    if shuffle is True:
+        data["shuffle"] = "epoch"
+        note("data.shuffle", "Levanter's data.shuffle: true is data.shuffle: epoch here (a permutation of all rows, "
+             "new every epoch)")
+    elif shuffle is False:
+        raise ConfigError("shuffle", "Levanter's `data.shuffle: false` (rows in the data's order) is not supported "
+                          "here: use shuffle: epoch (true) or an era length (shuffle: 4096)")
+    elif isinstance(shuffle, int):
+        if shuffle < 1:
+            raise ConfigError("shuffle", f"an era length must be >= 1, got {shuffle}")
+        if data.get("era_length", shuffle) != shuffle:
+            raise ConfigError("shuffle", f"{shuffle} (an era length) given together with era_length "
+                              f"{data['era_length']}; keep one")
+        data["shuffle"], data["era_length"] = "era", shuffle
+        note("data.shuffle", f"Levanter's data.shuffle: {shuffle} is data.shuffle: era with era_length: {shuffle} "
+             "here")
+    if "enforce_eos" in data:
+        if data.pop("enforce_eos") is not True:
+            raise ConfigError("enforce_eos", "Levanter's `data.enforce_eos: false` (documents without an appended "
+                              "EOS) is not supported here: every document ends with EOS in the token cache; "
+                              "remove it")
+    return data
+
+
 #: Keys of the data section that all components of a mixture share (refused inside one).
 _SHARED_KEYS = ("tokenizer", "packing", "packing_strategy", "pack_sequences", "shuffle", "era_length", "num_workers",
                 "preprocessing_num_workers", "shard_group_size", "configs", "train_weights", "stop_strategy",
@@ -174,7 +206,7 @@ class DataConfig(SourceConfig):
     # --- downstream ------------------------------------------------------------------------
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig, help="The tokenizer to train or load.")
     packing: Literal["concat", "greedy", "first_fit"] = field("concat", help="How documents become seq_len rows: concatenate-and-chunk, or whole documents packed greedily / first-fit with segment ids. LLM-Trainer's `pack_sequences: true` means greedy (with `packing_strategy` choosing greedy or first_fit).", aliases=("packing_strategy",))
-    shuffle: Literal["epoch", "era"] = field("epoch", help="Training row order. 'epoch': a seeded permutation of all rows, new every epoch (needs the complete token cache). 'era': Levanter's era shuffling: the first epoch is shuffled within consecutive eras of era_length rows, so step k needs only the cache's first eras and training can start while the cache is still being built (`lm-pipeline train` then builds it in the background, packing: concat); later epochs are shuffled whole.")
+    shuffle: Literal["epoch", "era"] = field("epoch", help="Training row order. 'epoch': a seeded permutation of all rows, new every epoch (needs the complete token cache). 'era': Levanter's era shuffling: the first epoch is shuffled within consecutive eras of era_length rows, so step k needs only the cache's first eras and training can start while the cache is still being built (`lm-pipeline train` then builds it in the background, packing: concat); later epochs are shuffled whole. Levanter's spellings: true = 'epoch'; an integer N = 'era' with era_length N.")
     era_length: int = field(4096, help="shuffle: era: rows per era (the first epoch's shuffling window; the last era holds the rows left over). Step k needs the first ceil((k + 1) * train_batch_size / era_length) eras.")
     num_workers: int = field(0, help="Tokenizer worker processes; 0 means all cores.", semantic=False, aliases=("preprocessing_num_workers",))
     shard_group_size: int = field(8, help="Shards per cache-building group (the unit of resumption and fan-out).", semantic=False)
@@ -194,7 +226,7 @@ class DataConfig(SourceConfig):
         ``packing``/``packing_strategy`` says otherwise). A mixture component that sets a key all
         components share, and ``train_weights`` of neither accepted shape, are refused here (every
         such problem at once)."""
-        data = super().normalize_raw(data)
+        data = _levanter_data_raw(super().normalize_raw(data))
         if "pack_sequences" in data:
             pack = data.pop("pack_sequences")
             if pack is True:

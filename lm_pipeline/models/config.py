@@ -80,6 +80,53 @@ def _common_llm_trainer_raw(data: dict[str, Any], family: str) -> dict[str, Any]
     return data
 
 
+#: Levanter's ``gradient_checkpointing`` policies by name -> ours (recompute each block in the
+#: backward pass, or keep every activation). Host offloading and nested (sqrt) remat are memory
+#: schemes: each recomputes per block here, with the same results.
+CHECKPOINTING_NAMES = {"full": True, "recompute": True, "nested": True, "offload": True, "save_all": False,
+                       "none": False}
+
+
+def _levanter_model_raw(data: dict[str, Any]) -> dict[str, Any]:
+    """Levanter's model keys with a meaning here: ``gradient_checkpointing`` by policy name
+    (:data:`CHECKPOINTING_NAMES`)."""
+    policy = data.get("gradient_checkpointing")
+    if isinstance(policy, str):
+        if policy not in CHECKPOINTING_NAMES:
+            raise ConfigError("gradient_checkpointing", f"unknown policy {policy!r}; use true, false or one of "
+                              f"{', '.join(CHECKPOINTING_NAMES)}")
+        from lm_pipeline.levanter import note
+
+        data["gradient_checkpointing"] = CHECKPOINTING_NAMES[policy]
+        note("model.gradient_checkpointing", f"Levanter's gradient_checkpointing: {policy!r} is "
+             f"gradient_checkpointing: {str(CHECKPOINTING_NAMES[policy]).lower()} here "
+             f"({'each block recomputed in the backward pass' if CHECKPOINTING_NAMES[policy] else 'no recomputation'})")
+    return data
+
+
+def _levanter_rope_raw(data: dict[str, Any]) -> dict[str, Any]:
+    """Levanter's ``rope: {type: default, theta: T, factor: 1.0}`` is ``rope_theta: T``; scaled
+    rotary embeddings (linear factor, llama3, yarn) are refused in one line."""
+    if "rope" not in data:
+        return data
+    rope = data.pop("rope")
+    rope = {"type": "default"} if rope is None else rope
+    if not isinstance(rope, dict):
+        raise ConfigError("rope", f"expected a mapping (type, theta, ...), got {rope!r}")
+    kind, factor = rope.get("type", "default"), rope.get("factor", 1.0)
+    if kind not in ("default", "linear") or factor != 1.0:
+        raise ConfigError("rope", f"Levanter's `model.rope` type {kind!r} (scaled rotary embeddings) is not supported "
+                          "here: use rope: {type: default, theta: ...} or model.rope_theta")
+    unknown = sorted(set(rope) - {"type", "theta", "factor"})
+    if unknown:
+        raise ConfigError(f"rope.{unknown[0]}", "unknown key; the default rope takes theta (and factor: 1.0)")
+    if "theta" in rope:
+        if "rope_theta" in data and data["rope_theta"] != rope["theta"]:
+            raise ConfigError("rope.theta", "given together with rope_theta; keep one")
+        data["rope_theta"] = rope["theta"]
+    return data
+
+
 def require_divisible(name: str, value: int, by_name: str, by: int) -> None:
     """Raise ``ConfigError(name, "must be divisible by <by_name> (<by>), got <value>; e.g. <lo> or <hi>")``."""
     if by > 0 and value % by:
@@ -107,7 +154,7 @@ class Gpt2Config(LmConfig):
     activation_function: Literal["gelu", "gelu_new", "relu", "silu"] = field("gelu_new", help="MLP activation: 'gelu' (exact), 'gelu_new' (tanh approximation), 'relu' or 'silu'.", aliases=("activation",))
     scale_attn_by_inverse_layer_idx: bool = field(False, help="Divide attention scores of layer i (0-based) by i + 1.")
     upcast_attn: bool = field(False, help="Compute attention in float32 (HF reorder_and_upcast_attn).")
-    gradient_checkpointing: bool = field(True, help="Recompute each block's activations in the backward pass (saves memory, same results).", semantic=False)
+    gradient_checkpointing: bool = field(True, help="Recompute each block's activations in the backward pass (saves memory, same results). Levanter's policy names: nested, offload, recompute, full = true; save_all = false.", semantic=False)
     use_bias: bool = field(True, help="Biases in linear layers and LayerNorms.")
 
     @classmethod
@@ -116,7 +163,7 @@ class Gpt2Config(LmConfig):
         ``d_ff`` -> ``mlp_scale = d_ff / hidden_dim``; ``dropout`` -> ``resid_pdrop`` and
         ``embed_pdrop``; ``attention_dropout`` -> ``attn_pdrop``; ``pre_norm: true`` (GPT-2 is
         pre-norm) accepted, false refused; ``vocab_size`` refused (the tokenizer's)."""
-        data = _common_llm_trainer_raw(data, "gpt2")
+        data = _levanter_model_raw(_common_llm_trainer_raw(data, "gpt2"))
         if "d_ff" in data:
             d_ff = data.pop("d_ff")
             if "mlp_scale" in data:
@@ -200,14 +247,15 @@ class LlamaConfig(LmConfig):
     tie_word_embeddings: bool = field(False, help="Use the token embeddings as the LM head.")
     use_bias: bool = field(False, help="Biases in the attention and MLP projections (HF attention_bias and mlp_bias).")
     upcast_attn: bool = field(False, help="Compute attention in float32.")
-    gradient_checkpointing: bool = field(True, help="Recompute each block's activations in the backward pass (saves memory, same results).", semantic=False)
+    gradient_checkpointing: bool = field(True, help="Recompute each block's activations in the backward pass (saves memory, same results). Levanter's policy names: nested, offload, recompute, full = true; save_all = false.", semantic=False)
+    use_layer_norm_weight: bool = field(True, help="RMSNorms scale by a learned weight; false = no scale (Levanter's OLMo-style norms; the weight stays at ones, so exports load in transformers unchanged).", hashed_at_default=False)
 
     @classmethod
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
         """LLM-Trainer's ModelConfig keys (``docs/llm-trainer.md``): ``d_ff`` is an alias of
         ``intermediate_dim``; ``dropout``/``attention_dropout`` must be 0 (Llama has no dropout
         here); ``pre_norm: true`` accepted (Llama is pre-norm), false refused."""
-        data = _common_llm_trainer_raw(data, "llama")
+        data = _levanter_rope_raw(_levanter_model_raw(_common_llm_trainer_raw(data, "llama")))
         for key in ("dropout", "attention_dropout"):
             if key in data:
                 value = data.pop(key)

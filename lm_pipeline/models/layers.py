@@ -75,20 +75,23 @@ class LayerNorm(eqx.Module):
 
 
 class RmsNorm(eqx.Module):
-    """Llama's RMSNorm (as HF: normalise in f32, cast back, then scale)."""
+    """Llama's RMSNorm (as HF: normalise in f32, cast back, then scale). ``use_weight=False``: no
+    scale (the weight is kept, unused, at ones, so the parameter tree and exports are unchanged)."""
 
     weight: jax.Array  # [D]
     eps: float = eqx.field(static=True)
+    use_weight: bool = eqx.field(static=True)
     AXES: ClassVar[dict[str, tuple]] = {"weight": ("embed",)}
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, use_weight: bool = True):
         self.weight = jnp.ones((dim,), F32)
         self.eps = eps
+        self.use_weight = use_weight
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(F32)
-        y = xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + self.eps)
-        return (self.weight * y.astype(x.dtype)).astype(x.dtype)
+        y = (xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + self.eps)).astype(x.dtype)
+        return (self.weight * y).astype(x.dtype) if self.use_weight else y
 
 
 # ----------------------------------------------------------------------------- MLP
@@ -137,8 +140,7 @@ class Mlp(eqx.Module):
 
 
 def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None, plan: ComputePlan) -> jax.Array:
-    y = plan.dense(x, w)
-    return y if b is None else y + b
+    return plan.add_bias(plan.dense(x, w), b)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -238,15 +240,13 @@ class Attention(eqx.Module):
         )
         n, h, d = self.o_proj.shape
         y = plan.dense(o.reshape(*o.shape[:-2], n * h), self.o_proj.reshape(n * h, d))
-        if self.o_bias is not None:
-            y = y + self.o_bias
-        return y, kv
+        return plan.add_bias(y, self.o_bias), kv
 
 
 def _proj(x: jax.Array, w: jax.Array, b: jax.Array | None, plan: ComputePlan) -> jax.Array:
     d, n, h = w.shape
     y = plan.dense(x, w.reshape(d, n * h)).reshape(*x.shape[:-1], n, h)
-    return y if b is None else y + b
+    return plan.add_bias(y, b)
 
 
 def attention(

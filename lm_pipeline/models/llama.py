@@ -70,11 +70,11 @@ class LlamaBlock(eqx.Module):
         k_attn, k_mlp = jax.random.split(key)
         std = cfg.initializer_range
         d = cfg.hidden_dim
-        self.input_layernorm = RmsNorm(d, cfg.layer_norm_epsilon)
+        self.input_layernorm = RmsNorm(d, cfg.layer_norm_epsilon, cfg.use_layer_norm_weight)
         self.self_attn = Attention(
             d, cfg.num_heads, cfg.num_kv_heads, cfg.head_size, use_bias=cfg.use_bias, std=std, out_std=std, key=k_attn
         )
-        self.post_attention_layernorm = RmsNorm(d, cfg.layer_norm_epsilon)
+        self.post_attention_layernorm = RmsNorm(d, cfg.layer_norm_epsilon, cfg.use_layer_norm_weight)
         self.mlp = Mlp(
             d, cfg.intermediate_dim, activation=cfg.activation_function, gated=True, use_bias=cfg.use_bias,
             std=std, out_std=std, key=k_mlp,
@@ -106,7 +106,7 @@ class LlamaModel(LmModel):
         std, d = config.initializer_range, config.hidden_dim
         self.token_embeddings = normal(k_tok, (vocab_size, d), std)
         self.blocks = stack_blocks(lambda k: LlamaBlock(config, key=k), config.num_layers, k_blocks)
-        self.norm = RmsNorm(d, config.layer_norm_epsilon)
+        self.norm = RmsNorm(d, config.layer_norm_epsilon, config.use_layer_norm_weight)
         self.lm_head = None if config.tie_word_embeddings else normal(k_head, (vocab_size, d), std)
         self.config = config
 

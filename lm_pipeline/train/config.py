@@ -143,6 +143,8 @@ class TrainerConfig:
     num_train_steps: int | None = field(None, help="Optimizer steps to run. Give this, num_epochs or train_tokens (default 1000 steps).")
     num_epochs: float | None = field(None, help="Run length in passes over the training data, converted to steps from the data size.", semantic=True)
     train_tokens: int | None = field(None, help="Run length as a token budget, converted to steps (rounded up).")
+    max_epochs: float | None = field(None, help="A cap on passes over the training data (Levanter's top-level `epoch`): the run stops at its length or after this many epochs, whichever comes first; null = no cap.", hashed_at_default=False)
+    z_loss_weight: float = field(0.0, help="Weight of the auxiliary z-loss (Levanter's top-level `z_loss_weight`, PaLM's 1e-4): adds z_loss_weight * mean(logsumexp(logits)^2) over the target tokens to the training loss; 0 = none. Reported losses stay the cross-entropy.", hashed_at_default=False)
     train_batch_size: int = field(32, help="Global batch size in sequences: all devices and all accumulated micro-batches of one step (Levanter's batch_size; LLM-Trainer's per-device batch_size is per_device_batch_size).", aliases=("batch_size",))
     per_device_parallelism: int | Literal["auto"] = field(
         -1,
@@ -240,6 +242,10 @@ class TrainerConfig:
                 raise ConfigError(name, f"must be >= 1, got {v}")
         if self.num_epochs is not None and self.num_epochs <= 0:
             raise ConfigError("num_epochs", "must be > 0")
+        if self.max_epochs is not None and not self.max_epochs > 0:
+            raise ConfigError("max_epochs", f"must be > 0 or null (no cap), got {self.max_epochs}")
+        if not (self.z_loss_weight >= 0 and math.isfinite(self.z_loss_weight)):
+            raise ConfigError("z_loss_weight", f"must be >= 0, got {self.z_loss_weight}")
         for name in ("per_device_parallelism", "per_device_eval_parallelism"):
             v = getattr(self, name)
             if v != "auto" and (v == 0 or v < -1):
@@ -343,16 +349,25 @@ class TrainerConfig:
         """Optimizer steps for this run, converting epochs / token budgets with the data size:
         ``ceil(num_epochs * rows / train_batch_size)`` (batches run across epoch boundaries, so
         every row is seen ``num_epochs`` times), ``ceil(train_tokens / (train_batch_size * seq_len))``."""
+        steps = self._length_in_steps(num_sequences, seq_len)
+        if self.max_epochs is not None:
+            steps = min(steps, self._epochs_in_steps(self.max_epochs, num_sequences, "trainer.max_epochs"))
+        return steps
+
+    def _length_in_steps(self, num_sequences: int | None, seq_len: int) -> int:
         if self.num_train_steps is not None:
             return self.num_train_steps
         if self.train_tokens is not None:
             return -(-self.train_tokens // (self.train_batch_size * seq_len))
         if self.num_epochs is not None:
-            if not num_sequences:
-                raise ConfigError("trainer.num_epochs", "needs the training data's size; build the cache first or give num_train_steps")
-            # every row seen num_epochs times: the last (partial) batch's worth of rows is a whole step
-            return max(1, math.ceil(self.num_epochs * num_sequences / self.train_batch_size - 1e-9))
+            return self._epochs_in_steps(self.num_epochs, num_sequences, "trainer.num_epochs")
         return 1000
+
+    def _epochs_in_steps(self, epochs: float, num_sequences: int | None, where: str) -> int:
+        if not num_sequences:
+            raise ConfigError(where, "needs the training data's size; build the cache first or give num_train_steps")
+        # every row seen `epochs` times: the last (partial) batch's worth of rows is a whole step
+        return max(1, math.ceil(epochs * num_sequences / self.train_batch_size - 1e-9))
 
 
 # --- LLM-Trainer's TrainingConfig spellings (docs/llm-trainer.md) ----------------------------

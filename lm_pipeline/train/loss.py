@@ -52,6 +52,28 @@ def model_loss_sums(
     return xent_sum(logits, targets, mask), jnp.sum(mask)
 
 
+def training_loss_sums(
+    model: LmModel, tokens: jax.Array, segment_ids: jax.Array | None, *, key: jax.Array | None,
+    inference: bool, plan: ComputePlan = REFERENCE, z_loss_weight: float = 0.0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(objective sum, cross-entropy sum, predicted tokens): the objective is the cross-entropy
+    plus ``z_loss_weight * logsumexp(logits)**2`` per predicted token (PaLM's z-loss; Levanter's
+    ``z_loss_weight``). Without a z-loss it is :func:`model_loss_sums` as the plan computes it;
+    with one, from the model's logits (the fused head keeps no log-partition)."""
+    if not z_loss_weight:
+        s, n = model_loss_sums(model, tokens, segment_ids, key=key, inference=inference, plan=plan)
+        return s, s, n
+    targets, mask = next_token_targets(tokens, segment_ids)
+    logits = model(tokens, segment_ids, key=key, inference=inference, plan=plan)
+    s = xent_sum(logits, targets, mask)
+    return s + z_loss_weight * z_loss_sum(logits, mask), s, jnp.sum(mask)
+
+
+def z_loss_sum(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """``sum(mask * logsumexp(logits)**2)`` in f32."""
+    return jnp.sum(jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)) * mask)
+
+
 @jax.custom_vjp
 def xent_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
     """``sum(mask * (logsumexp(logits) - logits[targets]))`` in f32, with a hand-written VJP.

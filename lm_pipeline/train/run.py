@@ -214,7 +214,8 @@ def _num_rows(train_data: SequenceDataset, cfg: RunConfig) -> int:
     token cache under construction) is waited for only when the run length needs its size."""
     rows_ready = getattr(train_data, "rows_ready", None)
     tc = cfg.trainer
-    if rows_ready is not None and tc.num_epochs is not None and tc.num_train_steps is None and tc.train_tokens is None:
+    by_epochs = tc.num_epochs is not None and tc.num_train_steps is None and tc.train_tokens is None
+    if rows_ready is not None and (by_epochs or tc.max_epochs is not None):
         log.info("trainer.num_epochs needs the training data's size: waiting for the token cache to be complete")
         return int(rows_ready(sys.maxsize))
     return len(train_data)

@@ -25,7 +25,7 @@ from lm_pipeline.batch import LmBatch, SequenceDataset, device_put_batch
 from lm_pipeline.compute import ComputePlan, plan_for_mesh
 from lm_pipeline.models.base import LmModel
 from lm_pipeline.train.config import Precision, TrainerConfig
-from lm_pipeline.train.loss import model_loss_sums
+from lm_pipeline.train.loss import model_loss_sums, training_loss_sums
 from lm_pipeline.train.optim import loss_scale, skipped_steps, weight_decay_mask
 from lm_pipeline.train.optim_config import OptimizerConfig
 from lm_pipeline.train.sharding import MeshPlan
@@ -166,6 +166,7 @@ class _StepContext:
     accum: int
     plan: MeshPlan
     dropout_active: bool
+    z_loss_weight: float = 0.0
 
     @property
     def scaling(self) -> bool:
@@ -196,7 +197,7 @@ def build_step_functions(
         compute = plan_for_mesh(plan.mesh, precision.compute, loss_scaling=precision.uses_loss_scaling)
     lay = _layout(model_cfg, opt_cfg, precision, vocab_size, num_train_steps, plan)
     dropout_active = any(getattr(model_cfg, n, 0.0) > 0 for n in ("embed_pdrop", "resid_pdrop", "attn_pdrop"))
-    ctx = _StepContext(lay, compute, precision, micro, accum, plan, dropout_active)
+    ctx = _StepContext(lay, compute, precision, micro, accum, plan, dropout_active, trainer_cfg.z_loss_weight)
     replicated, batch_sharding = plan.replicated(), plan.batch_sharding()
     in_shardings = (lay.state_shardings, batch_sharding, batch_sharding if has_segments else None)
 
@@ -225,8 +226,9 @@ def _grad_sums(ctx: _StepContext, params, tokens, seg, key, scale):
     def f(p):
         p = jax.lax.with_sharding_constraint(cast_floating(p, ctx.precision.compute), ctx.lay.compute_shardings)
         model = eqx.combine(p, ctx.lay.model_static)
-        s, n = model_loss_sums(model, tokens, seg, key=key, inference=not ctx.dropout_active, plan=ctx.compute)
-        return s * scale if ctx.scaling else s, (s, n)
+        obj, s, n = training_loss_sums(model, tokens, seg, key=key, inference=not ctx.dropout_active,
+                                       plan=ctx.compute, z_loss_weight=ctx.z_loss_weight)
+        return obj * scale if ctx.scaling else obj, (s, n)
 
     (_, (s, n)), g = jax.value_and_grad(f, has_aux=True)(params)
     return s, n, g
