@@ -89,6 +89,20 @@ class ComputePlan:
             return matmul.dense(x, w)
         return jnp.einsum("...k,kn->...n", x, w)
 
+    def add_bias(self, y: jax.Array, b: jax.Array | None) -> jax.Array:
+        """``y + b`` with ``b`` broadcast over ``y``'s leading axes (``y`` itself if ``b`` is None).
+
+        On CPU a bf16/f16 ``y`` gets its bias gradient summed in float32 (XLA:CPU's own
+        low-precision reduction is a slow windowed loop that rounds the sum to bf16).
+        """
+        if b is None:
+            return y
+        if self.matmul == "cpu" and y.dtype in LOW_PRECISION:
+            from lm_pipeline.kernels.cpu import matmul
+
+            return matmul.add_bias(y, b)
+        return y + b
+
     def lm_logits(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """Logits ``x [B, T, D] @ w [V, D]ᵀ -> [B, T, V]`` in the inputs' dtype."""
         pad = -w.shape[0] % self.vocab_pad_multiple
