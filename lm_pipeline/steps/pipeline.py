@@ -17,23 +17,22 @@ and the manifest written last live there.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lm_pipeline.config import RunConfig
 from lm_pipeline.fingerprint import fingerprint, semantic_view
 from lm_pipeline.schema import ConfigError
-from lm_pipeline.steps import fanout
+from lm_pipeline.steps import artifact, fanout
+from lm_pipeline.steps.artifact import Writer
 from lm_pipeline.steps.plan import plan as _plan
 from lm_pipeline.steps.plan import plan_text as _plan_text
 from lm_pipeline.steps.result import Address, StageResult
 from lm_pipeline.steps.stage import BuildContext, Inputs, Stage
 from lm_pipeline.steps.stages import stage_table
-from lm_pipeline.store import ArtifactStore, naming_storage_errors
+from lm_pipeline.store import ArtifactStore
 
 log = logging.getLogger(__name__)
 
@@ -52,25 +51,6 @@ def process_index(cfg: RunConfig) -> int:
         return int(pid)
     env = os.environ.get("SLURM_PROCID", "").strip()
     return int(env) if env.isdigit() and cfg.trainer.distributed.enabled else 0
-
-#: A stage's writer: fills the artifact directory at ``path``, returns (summary, manifest extras).
-Writer = Callable[[str], tuple[dict[str, Any], dict[str, Any]]]
-
-
-def _staged(write: Writer, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``write`` into a local directory: ``path`` itself, or one uploaded to ``path`` (an object
-    store) after removing what an interrupted attempt uploaded there (no manifest: never complete)."""
-    import json
-
-    from lm_pipeline import fs
-
-    with fs.staged(path, clear=True) as local:
-        summary, extra = write(local)
-    if local != path:  # name the artifact's address, not the staging directory
-        text = json.dumps([summary, extra], default=str).replace(json.dumps(local)[1:-1], path)
-        summary, extra = json.loads(text)
-    return summary, extra
-
 
 class _Memo:
     """What a pipeline computes once: resolved shards, addresses, config versions."""
@@ -328,53 +308,14 @@ class Pipeline:
 
     def cached(self, name: str, step: int | None = None) -> StageResult | None:
         """The stage's result if it is complete (a cache hit), else None. Does no work."""
-        t0 = time.perf_counter()
-        addr = self.address(name, step)
-        manifest = self.store.manifest(name, addr.fingerprint)
-        if manifest is None:
-            return None
-        path = self._located(name, addr.fingerprint)
-        return StageResult(name, addr.fingerprint, path, True, manifest, time.perf_counter() - t0)
-
-    def _located(self, name: str, fp: str) -> str:
-        """The path of a complete artifact (data.cache_dir: perhaps outside the store, which then
-        keeps a pointer to it)."""
-        art = self.store.locate(name, fp)
-        self.store.remember(art)
-        return art.path
+        return artifact.cached(self.store, self.address(name, step))
 
     def run(self, name: str, write: Writer, step: int | None = None, *, staged: bool = False) -> StageResult:
-        """Build stage ``name`` with ``write`` unless it is complete; commit its manifest last.
-
-        Builders of one address take the store's lock; the second finds the manifest and returns.
-        ``staged``: ``write`` writes local files only; on an object-store root it gets a local
-        temporary directory, which is uploaded to the artifact's address (after removing what an
-        interrupted attempt left there) before the manifest is written; the temporary path is
-        replaced by the address in what ``write`` returns.
-        """
-        addr = self.address(name, step)
-        art = self.store.artifact(name, addr.fingerprint)
-        t0 = time.perf_counter()
-        manifest = self.store.manifest(name, addr.fingerprint)
-        if manifest is not None:
-            path = self._located(name, addr.fingerprint)
-            log.info("%s %s: cache hit (%s)", name, addr.fingerprint, path)
-            return StageResult(name, addr.fingerprint, path, True, manifest, time.perf_counter() - t0)
+        """Build stage ``name`` with ``write`` unless it is complete; commit its manifest last
+        (:func:`lm_pipeline.steps.artifact.build`, whose ``staged`` this passes on)."""
         follower = name in DISTRIBUTED_STAGES and process_index(self.cfg) > 0
-        with naming_storage_errors(f"{name} {addr.fingerprint}", art.path):
-            with contextlib.nullcontext() if follower else self.store.lock(art):
-                manifest = self.store.manifest(name, addr.fingerprint)  # another writer may have finished
-                if manifest is not None:
-                    return StageResult(name, addr.fingerprint, self._located(name, addr.fingerprint), True,
-                                       manifest, time.perf_counter() - t0)
-                log.info("%s %s: building at %s%s", name, addr.fingerprint, art.path,
-                         f" (process {process_index(self.cfg)}: process 0 commits it)" if follower else "")
-                summary, extra = _staged(write, art.path) if staged else write(art.path)
-                info = {"config": addr.config, "inputs": addr.inputs, "code_version": addr.code_version,
-                        "summary": summary, "seconds": round(time.perf_counter() - t0, 3), **extra}
-                manifest = ({"stage": name, "fingerprint": addr.fingerprint, **info} if follower
-                            else self.store.commit(art, info))
-        return StageResult(name, addr.fingerprint, art.path, False, manifest, time.perf_counter() - t0)
+        return artifact.build(self.store, self.address(name, step), write, staged=staged,
+                              follower=f"process {process_index(self.cfg)}" if follower else None)
 
     def build(self, name: str, **options: Any) -> StageResult:
         """Build stage ``name`` (its upstream first) with its build function's ``options``.
