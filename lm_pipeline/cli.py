@@ -8,6 +8,7 @@ values parsed as YAML); the config is validated before any compute starts.
                          [--ray_address ADDR]         # ... with one Ray task per shard group
     lm-pipeline plan     --config_path ...            # hit / miss per stage, and why
     lm-pipeline eval     --config_path ... [--checkpoint_path RUN_OR_STEP_DIR] [--output_dir DIR]
+                         [--tasks hellaswag,arc_easy:5]  # lm-evaluation-harness tasks only
     lm-pipeline export   --config_path ... [--checkpoint_path STEP_DIR] --output_dir DIR
                          # without --checkpoint_path: the latest checkpoint of the config's run
     lm-pipeline generate --checkpoint_path STEP_DIR --prompt "def main(" [--temperature 0.8]
@@ -94,6 +95,10 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
                            "" if cmd == "generate" else "; default: the latest checkpoint of the config's run"))
     if cmd in ("eval", "export"):
         p.add_argument("--output_dir", required=cmd == "export", default=None)
+    if cmd == "eval":
+        p.add_argument("--tasks", default=None, help="evaluate only these lm-evaluation-harness tasks (comma-separated "
+                       "names, NAME:K for K-shot) with the config's eval_harness settings; without it, a config's "
+                       "eval_harness tasks run after the validation sets")
     if cmd == "train":
         p.add_argument("--resume_from_checkpoint", nargs="?", const=True, default=None, metavar="PATH",
                        help="resume from the latest complete checkpoint under PATH; with no PATH, from the latest one "
@@ -159,7 +164,27 @@ def _run_checkpoint(cfg) -> str:
     return found
 
 
-def _eval(cfg, ckpt: str, output_dir: str | None) -> int:
+def _eval(cfg, ckpt: str, output_dir: str | None, tasks: str | None = None) -> int:
+    """Evaluate ``ckpt`` on the config's validation sets, then on its lm-evaluation-harness tasks
+    (``eval_harness:``; with ``--tasks`` on those tasks only, :mod:`lm_pipeline.eval.tasks`)."""
+    from lm_pipeline import fs
+    from lm_pipeline.eval.tasks import harness_config, prepare_tasks
+
+    harness = harness_config(cfg.eval_harness, tasks)
+    manager = prepare_tasks(harness) if harness is not None else None  # task names checked before any compute
+    out = output_dir or cfg.eval.report_dir or fs.join(ckpt, "eval")
+    if tasks is None:
+        _eval_loss(cfg, ckpt, out)
+    if harness is not None:
+        from lm_pipeline.eval.tasks import evaluate_tasks, results_table
+
+        results, files = evaluate_tasks(ckpt, harness, out, manager=manager, compute_dtype=cfg.eval.compute_dtype)
+        print(results_table(results))
+        print(json.dumps(files))
+    return 0
+
+
+def _eval_loss(cfg, ckpt: str, out: str) -> None:
     """Evaluate ``ckpt`` on the config's validation sets, tokenized with the checkpoint's tokenizer:
     read from the token cache the pipeline built for this data and tokenizer, tokenizing only the
     sets no cache holds (never the training data; :mod:`lm_pipeline.eval.data`)."""
@@ -178,12 +203,10 @@ def _eval(cfg, ckpt: str, output_dir: str | None) -> int:
     data = eval_datasets(cfg, tok, seq_len=model_cfg.seq_len, train=ev.unigram_baseline)
     df = evaluate_checkpoint(ckpt, data.datasets, batch_size=ev.batch_size, max_eval_batches=ev.max_eval_batches,
                              compute_dtype=ev.compute_dtype, store_root=cfg.store.root, train_cache=data.train_cache)
-    out = output_dir or ev.report_dir or fs.join(ckpt, "eval")
     files = write_report(df, out)
     cols = [c for c in ("dataset", "step", "loss", "perplexity", "bpb", "unigram_bpb", "tokens") if c in df.columns]
     print(df[cols].to_string(index=False))
     print(json.dumps(files))
-    return 0
 
 
 def _estimate(cfg, args: argparse.Namespace) -> int:
@@ -325,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _lineage(cfg, args)
         ckpt = _resolve_checkpoint(args.checkpoint_path) if args.checkpoint_path else _run_checkpoint(cfg)
         if cmd == "eval":
-            return _eval(cfg, ckpt, args.output_dir)
+            return _eval(cfg, ckpt, args.output_dir, args.tasks)
         if cmd == "export":
             from lm_pipeline.hf import export_hf
 

@@ -19,6 +19,7 @@ import yaml
 
 from lm_pipeline.data.config import DataConfig
 from lm_pipeline.eval.config import EvalConfig
+from lm_pipeline.eval.harness_config import EvalHarnessConfig
 from lm_pipeline.hf.config import ExportConfig
 from lm_pipeline.models import Gpt2Config, LmConfig
 from lm_pipeline.schema import ConfigError, field, from_dict, to_dict
@@ -43,6 +44,8 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, help="AdamW and the learning-rate schedule.")
     eval: EvalConfig = field(default_factory=EvalConfig, help="Offline evaluation of checkpoints (eval_report).")
     export: ExportConfig = field(default_factory=ExportConfig, help="Hugging Face exports (hf_export, hf_save_steps).")
+    eval_harness: EvalHarnessConfig | None = field(None, help="Downstream tasks through lm-evaluation-harness, run by `lm-pipeline eval` (Levanter's section). See downstream_eval.md.", semantic=False)
+    eval_harness_steps: int = field(10000, help="Levanter's cadence of eval_harness during training: accepted as written; the tasks run on checkpoints with `lm-pipeline eval`.", semantic=False)
     store: StoreConfig = field(default_factory=StoreConfig, help="The artifact store.", semantic=False)
     initialize_from_hf: str | None = field(None, help="Continued pretraining: start from the weights of this Hugging Face GPT-2 or Llama model (a local directory, or a hub repo 'org/name[@revision]', which needs the network or the local HF cache). Its identity in the run's fingerprint is the sha256 of its safetensors files (a hub repo: its resolved commit), never its path. See continued-pretraining.md.", semantic=False)
     use_hf_model_config: bool = field(False, help="With initialize_from_hf: the model's shape comes from the directory's config.json (keys written under model: override it), and the tokenizer from the directory unless data.tokenizer is given.", semantic=False)

@@ -197,7 +197,8 @@ def modules_after_parsing() -> list[str]:
 
 def test_parsing_imports_no_optimizer_evaluation_or_export_code(modules_after_parsing):
     assert [m for m in modules_after_parsing if m.split(".")[0] == "optax"] == []
-    light = {"lm_pipeline.eval", "lm_pipeline.eval.config", "lm_pipeline.hf", "lm_pipeline.hf.config"}
+    light = {"lm_pipeline.eval", "lm_pipeline.eval.config", "lm_pipeline.eval.harness_config", "lm_pipeline.hf",
+             "lm_pipeline.hf.config"}
     heavy = [m for m in modules_after_parsing if m == "lm_pipeline.train.optim"
              or (m.startswith(("lm_pipeline.eval", "lm_pipeline.hf")) and m not in light)]
     assert heavy == []

@@ -97,7 +97,7 @@ STAGE_OF: dict[str, str | None] = {
             "initialize_from max_epochs z_loss_weight"),
     **_each("train_ckpt", "optimizer.", "learning_rate weight_decay beta1 beta2 epsilon max_grad_norm "
             "lr_schedule min_lr_ratio warmup decay rewarmup cycles cycle_length skip_bad_steps "
-            "skip_grad_norm_factor skip_warmup_steps skip_ema_decay"),
+            "skip_grad_norm_factor skip_warmup_steps skip_ema_decay type momentum adam_lr"),
     **_each("eval_report", "eval.", "batch_size max_eval_batches compute_dtype unigram_baseline"),
     **_each("hf_export", "export.", "max_shard_size dtype"),
     # no artifact: worker counts, recomputation, cadence, layout, paths, resumption, trackers
@@ -122,6 +122,12 @@ STAGE_OF: dict[str, str | None] = {
     "eval.report_dir": None,
     **_each(None, "export.", "hf_save_steps hf_save_path hf_upload hf_upload_private"),
     "store.root": None,
+    # downstream tasks (lm-evaluation-harness): run by `lm-pipeline eval`, no stage's artifact
+    **_each(None, "eval_harness.", "max_examples max_eval_length log_samples bootstrap_iters apply_chat_template "
+            "include_path batch_size add_bos_token"),
+    **_each(None, "eval_harness.task_spec.", "task task_alias num_fewshot use_prompt description target_delimiter "
+            "fewshot_delimiter doc_to_text doc_to_target doc_to_choice"),
+    "eval_harness_steps": None,
     # continued pretraining: the starting weights enter train_ckpt by content (an input, not the
     # path); use_hf_model_config acts through the model and tokenizer fields it fills in
     "initialize_from_hf": "train_ckpt",
@@ -185,6 +191,13 @@ SPECIAL: dict[str, tuple[dict[str, Any], Any]] = {
     "trainer.checkpointer.save_interval": ({}, "11m"),
     "eval.compute_dtype": ({}, "bfloat16"),
     "export.max_shard_size": ({}, "2GB"),
+    # the eval_harness section is absent by default: the base has one with a task
+    **{f"eval_harness.{k}": ({"eval_harness.task_spec": [{"task": "hellaswag"}]}, v) for k, v in {
+        "max_examples": 10, "max_eval_length": 32, "log_samples": True, "bootstrap_iters": 10,
+        "apply_chat_template": True, "include_path": ["tasks"], "batch_size": 4, "add_bos_token": True,
+        "task_spec.task": "arc_easy", "task_spec.task_alias": "hs", "task_spec.num_fewshot": 5,
+        **{f"task_spec.{t}": "{{x}}" for t in ("use_prompt description target_delimiter fewshot_delimiter "
+                                                "doc_to_text doc_to_target doc_to_choice").split()}}.items()},
 }
 
 
