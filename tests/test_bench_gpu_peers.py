@@ -7,11 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.bench import bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import gpu_peers  # noqa: E402
+gpu_peers = bench_module("gpu_peers")
 
 
 @pytest.fixture(scope="module")

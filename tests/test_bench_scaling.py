@@ -12,16 +12,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
-import json, sys
-sys.path.insert(0, {bench!r})
+import json
 import scaling
-print("MEMORY " + json.dumps(scaling.memory_per_device((1, 2), {{"layers": 1, "width": 64, "ctx": 32}})))
+print("MEMORY " + json.dumps(scaling.memory_per_device((1, 2), {"layers": 1, "width": 64, "ctx": 32})))
 """
 
 
 def test_memory_per_device_halves_with_two_fsdp_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(bench=str(ROOT / "bench"))], capture_output=True,
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(ROOT / "bench"))
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True,
                          text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("MEMORY ")][-1]

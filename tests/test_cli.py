@@ -77,7 +77,6 @@ def _estimate_json(capsys, path, *extra):
 
 
 def test_estimate_uses_the_vocabulary_of_a_local_hf_tokenizer(tmp_path, capsys):
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from helpers.data import tiny_tokenizer
 
     from lm_pipeline.data.tokenizer import tokenizer_info

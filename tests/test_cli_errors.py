@@ -19,11 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-sys.path.insert(0, str(Path(__file__).parent))
-import pipeline_testing as pt  # noqa: E402
-from helpers.s3 import s3_bucket, s3_server  # noqa: E402, F401  (pytest fixtures)
+from helpers import pipeline as pt
+from helpers.s3 import s3_bucket, s3_server  # noqa: F401  (pytest fixtures)
 
 
 def _config(tmp: Path, name: str, **data) -> str:

@@ -4,7 +4,6 @@ continues it with its weights and optimizer state -- with a constant learning ra
 exactly the run trained to the new length from the start."""
 
 import logging
-import sys
 from pathlib import Path
 
 import equinox as eqx
@@ -12,14 +11,12 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from helpers import pipeline as pt
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import pipeline_testing as pt  # noqa: E402
-
-from lm_pipeline.config import load_config  # noqa: E402
-from lm_pipeline.eval import load_model_from_checkpoint  # noqa: E402
-from lm_pipeline.steps import Pipeline  # noqa: E402
-from lm_pipeline.steps.builders import continuation_hint  # noqa: E402
+from lm_pipeline.config import load_config
+from lm_pipeline.eval import load_model_from_checkpoint
+from lm_pipeline.steps import Pipeline
+from lm_pipeline.steps.builders import continuation_hint
 
 
 def _pipe(tmp: Path, store: str, **trainer) -> Pipeline:

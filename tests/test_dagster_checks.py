@@ -11,16 +11,13 @@ import hashlib
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import dagster as dg
 import pytest
+from helpers import pipeline as pt
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import pipeline_testing as pt  # noqa: E402
-
-from assets.checks import (  # noqa: E402
+from assets.checks import (
     ERROR,
     WARN,
     eval_report_outcome,
@@ -29,12 +26,12 @@ from assets.checks import (  # noqa: E402
     train_ckpt_outcome,
     unigram_loss,
 )
-from assets.deployment import Deployment  # noqa: E402
-from assets.experiment import load_experiment  # noqa: E402
-from assets.pipeline import build_assets, default_resources  # noqa: E402
-from lm_pipeline.data.cache.storage import CacheRoot, open_array  # noqa: E402
-from lm_pipeline.steps import Pipeline  # noqa: E402
-from lm_pipeline.store import ArtifactStore  # noqa: E402
+from assets.deployment import Deployment
+from assets.experiment import load_experiment
+from assets.pipeline import build_assets, default_resources
+from lm_pipeline.data.cache.storage import CacheRoot, open_array
+from lm_pipeline.steps import Pipeline
+from lm_pipeline.store import ArtifactStore
 
 pytestmark = pytest.mark.filterwarnings("ignore::dagster.BetaWarning")
 

@@ -20,16 +20,14 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from helpers import pipeline as pt
+from test_steps import cache_digest
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import pipeline_testing as pt  # noqa: E402
-from test_steps import cache_digest  # noqa: E402
-
-from assets.deployment import COMPARISON_KEY  # noqa: E402
-from assets.pipeline import LINEAGE  # noqa: E402
-from lm_pipeline.config import load_config  # noqa: E402
-from lm_pipeline.steps import Pipeline  # noqa: E402
-from lm_pipeline.store import ArtifactStore  # noqa: E402
+from assets.deployment import COMPARISON_KEY
+from assets.pipeline import LINEAGE
+from lm_pipeline.config import load_config
+from lm_pipeline.steps import Pipeline
+from lm_pipeline.store import ArtifactStore
 
 REPO = pt.REPO
 EXP = "tiny"  # pt.write_config's file, tiny.yaml: the experiment's name (its asset group)

@@ -6,18 +6,15 @@ address, lineage, code versions from the config, asset checks, jobs, the checkpo
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import dagster as dg
 import pytest
 import yaml
+from helpers import pipeline as pt
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import pipeline_testing as pt  # noqa: E402
-
-from assets.deployment import Deployment  # noqa: E402
-from assets.experiment import (  # noqa: E402
+from assets.deployment import Deployment
+from assets.experiment import (
     DEFAULT_EXPERIMENT,
     EXPERIMENTS_DIR,
     default_experiment,
@@ -25,7 +22,7 @@ from assets.experiment import (  # noqa: E402
     load_experiments,
     parse_override_text,
 )
-from assets.pipeline import (  # noqa: E402
+from assets.pipeline import (
     CHECKPOINT_TAG,
     EVALUATION_POOL,
     LINEAGE,

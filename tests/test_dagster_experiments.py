@@ -6,7 +6,6 @@ recorded never records a false lineage; the comparison shows both; all of it on 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import dagster as dg
@@ -14,20 +13,18 @@ import pytest
 import yaml
 from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
 from dagster._core.loader import LoadingContextForTest
+from helpers import pipeline as pt
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import pipeline_testing as pt  # noqa: E402
-
-from assets.deployment import Deployment  # noqa: E402
-from assets.experiment import load_experiments  # noqa: E402
-from assets.pipeline import (  # noqa: E402
+from assets.deployment import Deployment
+from assets.experiment import load_experiments
+from assets.pipeline import (
     LINEAGE,
     OBSERVE_JOB,
     PIPELINE_JOB,
     build_definitions,
     checkpoint_key,
 )
-from resources import TrainingLauncherResource  # noqa: E402
+from resources import TrainingLauncherResource
 
 pytestmark = pytest.mark.filterwarnings("ignore::dagster.BetaWarning")
 NAMES = ("gpt", "llama")

@@ -8,17 +8,14 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import dagster as dg
 import pytest
 import yaml
+from helpers import pipeline as pt
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import pipeline_testing as pt  # noqa: E402
-
-from assets.names import EVALUATION_POOL, TRAINING_POOL  # noqa: E402
+from assets.names import EVALUATION_POOL, TRAINING_POOL
 
 REPO = pt.REPO
 TEMPLATE = REPO / "assets" / "dagster.yaml"

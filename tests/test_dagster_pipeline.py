@@ -4,7 +4,6 @@ status resolver -- not only through the store."""
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -12,14 +11,12 @@ import dagster as dg
 import pytest
 from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
 from dagster._core.loader import LoadingContextForTest
+from helpers import pipeline as pt
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import pipeline_testing as pt  # noqa: E402
-
-from assets.checkpoints import find_checkpoint  # noqa: E402
-from assets.deployment import Deployment  # noqa: E402
-from assets.experiment import load_experiment  # noqa: E402
-from assets.pipeline import (  # noqa: E402
+from assets.checkpoints import find_checkpoint
+from assets.deployment import Deployment
+from assets.experiment import load_experiment
+from assets.pipeline import (
     CHECKPOINT_TAG,
     LINEAGE,
     build_assets,

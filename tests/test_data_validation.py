@@ -242,13 +242,9 @@ def test_valid_records_of_a_planted_corpus_all_reach_the_cache(tmp_path):
 def test_cache_command_says_what_the_data_kept_and_skipped(tmp_path, capsys, monkeypatch):
     """``lm-pipeline cache`` under ``skip``: one line with the records kept per split and every
     skip reason counted -- also when the data was built before (a cache hit)."""
-    import os
-    import sys
 
     import yaml
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
-    import pipeline_testing as pt
+    from helpers import pipeline as pt
 
     from lm_pipeline.cli import main
 
@@ -278,9 +274,7 @@ def test_a_data_error_under_fail_is_one_line_and_debug_shows_the_traceback(tmp_p
     import sys
 
     import yaml
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
-    import pipeline_testing as pt
+    from helpers import pipeline as pt
 
     p, _, _ = _planted(tmp_path)
     cfg = pt.tiny_config(tmp_path)

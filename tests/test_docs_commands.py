@@ -13,14 +13,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import pipeline_testing as pt  # noqa: E402
+from helpers import pipeline as pt
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDES = ("getting-started.md", "training.md", "own-data.md", "pipeline.md", "troubleshooting.md", "architecture.md",

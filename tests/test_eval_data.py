@@ -20,12 +20,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import pipeline as pt
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import pipeline_testing as pt  # noqa: E402
-
-from lm_pipeline.cli import main  # noqa: E402
-from lm_pipeline.config import load_config  # noqa: E402
+from lm_pipeline.cli import main
+from lm_pipeline.config import load_config
 
 METRICS = ("loss", "bpb", "unigram_loss", "unigram_bpb", "tokens")
 

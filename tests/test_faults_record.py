@@ -70,12 +70,12 @@ def fake(tmp_path) -> Path:
     faults = tmp_path / "tests" / "faults"
     faults.mkdir(parents=True)
     shutil.copy(FAULTS / "conftest.py", faults / "conftest.py")
-    (tmp_path / "tests" / "scripts").mkdir()
-    shutil.copy(REPO / "tests" / "scripts" / "pipeline_testing.py", tmp_path / "tests" / "scripts")
+    shutil.copytree(REPO / "tests" / "helpers", tmp_path / "tests" / "helpers",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     (faults / "test_a.py").write_text(textwrap.dedent(FAKE_A))
     (faults / "test_b.py").write_text(textwrap.dedent(FAKE_B))
     (faults / "last_run.json").write_bytes(COMMITTED)
-    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers\nmarkers =\n"
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers\npythonpath = tests\nmarkers =\n"
                                          "    faults: fault suite\n    slow: slow\n")
     return tmp_path
 

@@ -11,13 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import pipeline as pt
 
 from lm_pipeline.config import load_config
 from lm_pipeline.schema import ConfigError, ConfigProblems
 from lm_pipeline.train.trackers import WandbConfig, tracker_problems
-
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import pipeline_testing as pt  # noqa: E402
 
 #: Five keys Levanter's configs use that are refused here, and the field each must be named by.
 FIVE = {

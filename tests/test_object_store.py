@@ -17,15 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import pipeline as pt
 from helpers.s3 import REGION, s3_bucket, s3_server  # noqa: F401  (pytest fixtures)
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import pipeline_testing as pt  # noqa: E402
-
-from lm_pipeline import fs  # noqa: E402
-from lm_pipeline.config import load_config  # noqa: E402
-from lm_pipeline.schema import ConfigError  # noqa: E402
-from lm_pipeline.steps import Pipeline  # noqa: E402
+from lm_pipeline import fs
+from lm_pipeline.config import load_config
+from lm_pipeline.schema import ConfigError
+from lm_pipeline.steps import Pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import pipeline as pt
 from helpers.data import EOS, tiny_tokenizer
 from tokenizers import Tokenizer
 
@@ -30,9 +30,6 @@ from lm_pipeline.batch import StepBatchSource
 from lm_pipeline.data.cache import CacheError, CacheStalledError, build_cache, open_cache
 from lm_pipeline.data.loader import CacheDataset, GrowingCacheDataset
 from lm_pipeline.data.textshard import TextShard
-
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import pipeline_testing as pt  # noqa: E402
 
 T, K, B, SEED = 16, 10, 4, 3  # seq_len, era_length, batch (B does not divide K: batches straddle eras)
 WORDS = ["alpha", "beta", "gamma", "delta", "lorem", "ipsum", "x", "42", "foo_bar", "\n"]

@@ -23,15 +23,12 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from helpers import pipeline as pt
+from helpers.ray_cluster import one_line_failure, ray_cluster  # noqa: F401  (fixture)
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-sys.path.insert(0, str(Path(__file__).parent))
-import pipeline_testing as pt  # noqa: E402
-from helpers.ray_cluster import one_line_failure, ray_cluster  # noqa: E402, F401  (fixture)
-
-from lm_pipeline.config import load_config  # noqa: E402
-from lm_pipeline.steps import Pipeline  # noqa: E402
-from lm_pipeline.store import ArtifactStore  # noqa: E402
+from lm_pipeline.config import load_config
+from lm_pipeline.steps import Pipeline
+from lm_pipeline.store import ArtifactStore
 
 
 def _files(artifact: Path) -> dict[str, bytes]:

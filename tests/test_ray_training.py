@@ -39,17 +39,14 @@ from pathlib import Path
 import dagster as dg
 import numpy as np
 import pytest
+from helpers import pipeline as pt
+from helpers.ray_cluster import one_line_failure, ray_cluster  # noqa: F401  (fixture)
+from helpers.s3 import REGION, clear_fsspec_cache, s3_server  # noqa: F401  (fixture)
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-sys.path.insert(0, str(Path(__file__).parent))
-import pipeline_testing as pt  # noqa: E402
-from helpers.ray_cluster import one_line_failure, ray_cluster  # noqa: E402, F401  (fixture)
-from helpers.s3 import REGION, clear_fsspec_cache, s3_server  # noqa: E402, F401  (fixture)
-
-from assets.deployment import Deployment  # noqa: E402
-from assets.experiment import load_experiment  # noqa: E402
-from assets.pipeline import build_assets, checkpoint_key, default_resources  # noqa: E402
-from resources import JaxRuntimeResource, TrainingLauncherResource  # noqa: E402
+from assets.deployment import Deployment
+from assets.experiment import load_experiment
+from assets.pipeline import build_assets, checkpoint_key, default_resources
+from resources import JaxRuntimeResource, TrainingLauncherResource
 
 NAME = "tiny"
 STAGES = ("raw_shards", "tokenizer", "token_cache", "train_ckpt")

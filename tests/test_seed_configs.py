@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import pipeline as pt
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import pipeline_testing as pt  # noqa: E402
-
-from lm_pipeline.config import load_config  # noqa: E402
-from lm_pipeline.schema import ConfigError  # noqa: E402
+from lm_pipeline.config import load_config
+from lm_pipeline.schema import ConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "seed_configs"
 INCLUDED = {"data.yaml"}  # pulled in by config-guide-include.yaml, not a run config by itself

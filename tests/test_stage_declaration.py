@@ -16,7 +16,7 @@ import pytest
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-import pipeline_testing as pt  # noqa: E402
+from helpers import pipeline as pt
 import token_stats_stage as ts  # noqa: E402
 
 from lm_pipeline.steps import stages  # noqa: E402

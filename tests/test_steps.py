@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import sys
 import types
 import typing
 from contextlib import redirect_stdout
@@ -14,14 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import pipeline as pt
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import pipeline_testing as pt  # noqa: E402
-
-from lm_pipeline.config import RunConfig, load_config  # noqa: E402
-from lm_pipeline.schema import Choice  # noqa: E402
-from lm_pipeline.steps import STAGE_NAMES, Pipeline, complete_checkpoints  # noqa: E402
-from lm_pipeline.store import ArtifactStore  # noqa: E402
+from lm_pipeline.config import RunConfig, load_config
+from lm_pipeline.schema import Choice
+from lm_pipeline.steps import STAGE_NAMES, Pipeline, complete_checkpoints
+from lm_pipeline.store import ArtifactStore
 
 # --------------------------------------------------------------------------------------------
 # Which fields enter fingerprints: pinned field by field. A new config field fails this test

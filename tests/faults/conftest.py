@@ -32,14 +32,13 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers import pipeline as pt
+
+from lm_pipeline import faultpoints
+from lm_pipeline.steps import STAGE_NAMES
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(REPO / "tests" / "scripts"))
-import pipeline_testing as pt  # noqa: E402
-
-from lm_pipeline import faultpoints  # noqa: E402
-from lm_pipeline.steps import STAGE_NAMES  # noqa: E402
 
 STAGES = STAGE_NAMES
 RECORD = HERE / "last_run.json"  # committed: written only by a complete run of the faults tier

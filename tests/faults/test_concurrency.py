@@ -4,10 +4,9 @@ both finish), and two Dagster runs materializing the same assets never corrupt t
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
-from conftest import REPO, artifact_dir, files, finish, run_stage
+from conftest import artifact_dir, files, finish, run_stage
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(400)]
 
@@ -40,7 +39,6 @@ def test_two_pipelines_sharing_ancestors_build_them_once(experiment, tmp_path, n
 @pytest.mark.reliability("concurrency")
 def test_two_dagster_runs_materializing_the_same_assets(tmp_path, note):
     """The default tier's Dagster test, recorded here: two ``materialize`` processes at once."""
-    sys.path.insert(0, str(REPO / "tests"))
     from test_dagster_cli import test_two_simultaneous_materializations_leave_one_intact_artifact as two_runs
 
     two_runs(tmp_path)

@@ -1,6 +1,6 @@
 """Helpers for the Dagster pipeline tests: a tiny experiment over a few small local shards.
 
-Imported by tests/test_dagster*.py and tests/test_steps.py (``sys.path`` gets this folder).
+Imported as ``from helpers import pipeline as pt`` by the Dagster, steps and CLI tests.
 """
 
 from __future__ import annotations

@@ -17,16 +17,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import pipeline_testing as pt  # noqa: E402
+from helpers import pipeline as pt
 
 pytestmark = pytest.mark.ui
 
