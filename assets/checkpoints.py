@@ -52,9 +52,10 @@ def checkpoint_observation(asset: dg.AssetKey, c: Mapping, run_fingerprint: str)
 def find_checkpoint(instance: dg.DagsterInstance, key: str, store: ArtifactStoreResource,
                     tags: Mapping[str, str] | None = None, asset: dg.AssetKey | str = "train_ckpt") -> str:
     """The checkpoint directory of a checkpoints partition key: the run's tag, else the
-    observation of the training ``asset`` that reported it, else the run's default place in the store."""
-    from lm_pipeline import fs
-    from lm_pipeline.train.checkpoint import latest_checkpoint, step_dir_name
+    observation of the training ``asset`` that reported it, else where the run saves it
+    (:func:`lm_pipeline.steps.checkpoints.checkpoint_dir`)."""
+    from lm_pipeline.steps.checkpoints import checkpoint_dir
+    from lm_pipeline.train.checkpoint import latest_checkpoint
 
     candidates = []
     if tags and tags.get(CHECKPOINT_TAG):
@@ -67,7 +68,7 @@ def find_checkpoint(instance: dg.DagsterInstance, key: str, store: ArtifactStore
             candidates.append(str(meta["checkpoint_path"].value))
             break
     fp, step = parse_checkpoint_key(key)
-    candidates.append(fs.join(store.store().artifact("train_ckpt", fp).path, step_dir_name(step)))
+    candidates.append(checkpoint_dir(store.store(), fp, step))
     for path in candidates:
         if latest_checkpoint(path) is not None:  # candidates are step dirs: complete or not
             return path

@@ -231,14 +231,13 @@ def model_logits(model, ids: np.ndarray, dtype: str | None = None) -> np.ndarray
 
 def hf_export_outcome(path: str, checkpoint: str | None, *, model=None, tokens: int = 16) -> Outcome:
     """Load the export at ``path`` with ``transformers`` and compare its logits with those of the
-    checkpoint it was made from (or ``model``, a JAX model) on fixed random token ids."""
+    checkpoint it was made from (or ``model``, a JAX model) on fixed random token ids (an export on
+    an object store is read from a local copy)."""
     import json
     import os
 
     from lm_pipeline import fs
 
-    if not fs.is_local(path):
-        return Outcome(False, f"{path} is on an object store: load it locally to check it", WARN)
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -246,12 +245,13 @@ def hf_export_outcome(path: str, checkpoint: str | None, *, model=None, tokens: 
         return Outcome(False, "torch and transformers are not installed (the 'hf' extra): the export is not checked",
                        WARN)
     try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        local = fs.local_copy(path)
+        with open(os.path.join(local, "config.json"), encoding="utf-8") as f:
             hf_cfg = json.load(f)
         vocab = int(hf_cfg["vocab_size"])
         seq = int(hf_cfg.get("n_positions") or hf_cfg.get("max_position_embeddings") or tokens)
         ids = np.random.default_rng(0).integers(0, vocab, (2, min(tokens, seq)), dtype=np.int64)
-        theirs = export_logits(path, ids)
+        theirs = export_logits(local, ids)
     except Exception as e:
         return Outcome(False, f"the export does not load in transformers: {type(e).__name__}: {str(e).splitlines()[0]}",
                        ERROR, {"path": path})

@@ -91,13 +91,6 @@ class Experiment:
         return f"{self.path}{extra}"
 
 
-def _absolute_root(root: str) -> str:
-    if "://" in root and not root.startswith("file://"):
-        return root
-    local = root[len("file://") :] if root.startswith("file://") else root
-    return os.path.abspath(os.path.expanduser(local))
-
-
 def load_experiment(path: str | os.PathLike | None = None, overrides: Sequence[str] | str | None = None,
                     env: Mapping[str, str] | None = None) -> Experiment:
     """Load the experiment: explicit arguments, else the environment, else the default."""
@@ -112,7 +105,9 @@ def load_experiment(path: str | os.PathLike | None = None, overrides: Sequence[s
     else:
         pairs = parse_overrides([o if o.startswith("--") else f"--{o}" for o in overrides])
     cfg = load_config(chosen, pairs)
-    root = _absolute_root(cfg.store.root)
+    from lm_pipeline import fs
+
+    root = fs.norm(cfg.store.root)  # the store's one spelling: relative and ~ paths made absolute
     if root != cfg.store.root:  # a plain string field: replaced without parsing the config again
         cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, root=root))
     return Experiment(os.path.abspath(chosen), tuple(pairs), cfg)
