@@ -1,5 +1,5 @@
 """A stage is one declaration: an extra leaf stage declared in its own module
-(``tests/scripts/token_stats_stage.py``) and added to the table with one entry is built by the
+(``tests/helpers/token_stats_stage.py``) and added to the table with one entry is built by the
 command line, shown by the plan, followed by lineage and made an asset by the Dagster factory,
 with no other edit. Its numbers are checked against the corpus tokenized by ``tokenizers`` itself."""
 
@@ -13,15 +13,13 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-
-SCRIPTS = Path(__file__).parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
 from helpers import pipeline as pt
-import token_stats_stage as ts  # noqa: E402
+from helpers import token_stats_stage as ts
 
-from lm_pipeline.steps import stages  # noqa: E402
+from lm_pipeline.steps import stages
 
-CLI = ("import sys, token_stats_stage as t; t.add_to_table(); from lm_pipeline.cli import main; "
+TESTS = Path(__file__).parent
+CLI = ("import sys; from helpers import token_stats_stage as t; t.add_to_table(); from lm_pipeline.cli import main; "
        "sys.exit(main(sys.argv[1:]))")
 
 
@@ -66,7 +64,7 @@ def test_a_leaf_stage_declared_in_its_own_module_reaches_cli_plan_lineage_and_da
     assert [r["stage"] for r in before][-1] == "token_stats" and not before[-1]["hit"]
 
     # the command line: its subcommand comes from the declaration (in a fresh process whose table has the entry)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(pt.REPO)]), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(pt.REPO)]), "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, "-c", CLI, "token-stats", "--config_path", str(path)], env=env,
                          capture_output=True, text=True, timeout=300, cwd=str(pt.REPO))
     assert run.returncode == 0, run.stderr[-3000:]
