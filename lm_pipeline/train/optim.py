@@ -1,12 +1,17 @@
-"""AdamW with weight-decay masking and bad-step skipping, and the JAX side of the learning-rate
-schedule; the configuration and the schedule's definition are in :mod:`lm_pipeline.train.optim_config`.
+"""AdamW (or Lion, Adafactor, Muon) with weight-decay masking and bad-step skipping, and the JAX
+side of the learning-rate schedule; the configuration and the schedule's definition are in :mod:`lm_pipeline.train.optim_config`.
 
 Optimizer
 ---------
 :meth:`OptimizerConfig.build` returns an :class:`optax.GradientTransformationExtraArgs`::
 
-    clip_by_global_norm(max_grad_norm) -> scale_by_adam(beta1, beta2, epsilon)
+    clip_by_global_norm(max_grad_norm) -> update_rule(type)
       -> add_decayed_weights(weight_decay, mask) -> scale(-schedule(step))
+
+where the update rule (:func:`update_rule`) is Optax's ``scale_by_adam(beta1, beta2, epsilon)``
+(``type: adam``), ``scale_by_lion(beta1, beta2)``, ``scale_by_factored_rms()`` (Adafactor) or
+``contrib.muon`` at unit rate (Muon on the blocks' matrices, :func:`muon_dimensions`; AdamW at
+``adam_lr / learning_rate`` of the schedule on the rest).
 
 (decoupled AdamW: the decay is multiplied by the learning rate, as in ``optax.adamw`` and
 Levanter). Its state is an :class:`OptimizerState`; ``update(grads, state, params, loss=...)``
@@ -45,7 +50,8 @@ if TYPE_CHECKING:  # the config module builds this optimizer: no import back at 
 
 __all__ = [
     "LOSS_SCALE_INIT", "LOSS_SCALE_PERIOD", "OptimizerState",
-    "all_finite", "build_optimizer", "current_lr", "loss_scale", "schedule_fn", "skipped_steps", "weight_decay_mask",
+    "all_finite", "build_optimizer", "current_lr", "loss_scale", "muon_dimensions", "schedule_fn", "skipped_steps",
+    "update_rule", "weight_decay_mask",
 ]
 
 
@@ -197,15 +203,56 @@ def all_finite(tree: Any) -> jax.Array:
 # --- building the transformation ----------------------------------------------------------------
 
 
+def update_rule(config: OptimizerConfig, param_axes: Any = None) -> optax.GradientTransformation:
+    """The direction of ``config.type``, before weight decay and the learning rate (Optax's)."""
+    if config.type == "lion":
+        return optax.scale_by_lion(config.beta1, config.beta2)
+    if config.type == "adafactor":
+        return optax.scale_by_factored_rms()
+    if config.type == "muon":
+        from optax.contrib import muon
+
+        # Optax's Muon with unit rate, sign flipped back: a direction the schedule scales; the
+        # parameters it leaves to AdamW move at adam_lr on the same schedule.
+        return optax.chain(muon(1.0, beta=config.momentum, eps=config.epsilon, adam_b1=config.beta1,
+                                adam_b2=config.beta2, adam_learning_rate=config.adam_lr / config.learning_rate,
+                                muon_weight_dimension_numbers=muon_dimensions(param_axes)),
+                           optax.scale(-1.0))
+    return optax.scale_by_adam(config.beta1, config.beta2, config.epsilon)
+
+
+def muon_dimensions(param_axes: Any) -> Any:
+    """Per parameter, Muon's (input axes, output axes) for the blocks' projection matrices (read from
+    their logical axes; a stacked ``layers`` axis is a batch axis), None for the rest: embeddings,
+    the LM head (a ``vocab`` axis), norms, biases. Without ``param_axes`` (None) every parameter
+    is left to AdamW."""
+    from optax.contrib import MuonDimensionNumbers
+
+    if param_axes is None:
+        return lambda params: jax.tree.map(lambda _: None, params)
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+
+    def dims(path, spec):
+        own = [i for i, axis in enumerate(spec) if axis != "layers"]
+        name = jax.tree_util.keystr(path).lower()
+        if len(own) < 2 or "vocab" in spec or None in spec or "embedding" in name or "bias" in name:
+            return None
+        inputs = own[:1] if spec[own[0]] == "embed" else own[:-1]
+        return MuonDimensionNumbers(tuple(inputs), tuple(i for i in own if i not in inputs))
+
+    return jax.tree_util.tree_map_with_path(dims, param_axes, is_leaf=is_spec)
+
+
 def build_optimizer(
-    config: OptimizerConfig, num_train_steps: int, weight_decay_mask: Any, *, loss_scaling: bool = False
+    config: OptimizerConfig, num_train_steps: int, weight_decay_mask: Any, *, loss_scaling: bool = False,
+    param_axes: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """What :meth:`OptimizerConfig.build` returns (see there for the arguments)."""
     schedule = config.lr_scheduler(num_train_steps)
     parts: list[optax.GradientTransformation] = []
     if config.max_grad_norm is not None:
         parts.append(optax.clip_by_global_norm(config.max_grad_norm))
-    parts.append(optax.scale_by_adam(config.beta1, config.beta2, config.epsilon))
+    parts.append(update_rule(config, param_axes))
     if config.weight_decay > 0:
         parts.append(optax.add_decayed_weights(config.weight_decay, weight_decay_mask))
     inner = optax.chain(*parts)

@@ -70,9 +70,11 @@ from lm_pipeline.schema import ConfigError, field
 if TYPE_CHECKING:
     import optax
 
-__all__ = ["CyclePhases", "LrScheduleName", "OptimizerConfig"]
+__all__ = ["CyclePhases", "LrScheduleName", "OptimizerConfig", "OptimizerName"]
 
 LrScheduleName = Literal["constant", "linear", "cosine", "inv_sqrt", "inv"]
+OptimizerName = Literal["adam", "lion", "adafactor", "muon"]
+SOPHIA = ("sophia-h", "sophia_h", "sophiah", "sophia-g", "sophia")
 
 
 def _to_steps(value: int | float, total: int) -> int:
@@ -121,6 +123,7 @@ class CyclePhases:
 class OptimizerConfig:
     """AdamW (decoupled weight decay, global-norm clipping) and its learning-rate schedule."""
 
+    type: OptimizerName = field("adam", help="The update rule: 'adam' (AdamW; Levanter's adam/adamw), 'lion' (sign of interpolated momentum, Chen et al. 2023; beta1, beta2), 'adafactor' (factored second moments, Shazeer & Stern 2018; no first moment) or 'muon' (orthogonalized momentum for the blocks' matrices, AdamW at adam_lr for embeddings, norms, biases and the LM head). Each through Optax; the schedule, clipping, decoupled weight decay and bad-step skipping are the same for all.", hashed_at_default=False)
     learning_rate: float = field(1e-4, help="Peak learning rate.")
     weight_decay: float = field(0.0, help="Decoupled (AdamW) weight decay, applied to matrices only (see weight_decay_mask).")
     beta1: float = field(0.9, help="Adam beta1.")
@@ -138,13 +141,18 @@ class OptimizerConfig:
     skip_grad_norm_factor: float | None = field(5.0, help="skip_bad_steps: a grad norm above this times its running EMA is an outlier; null = only non-finite steps are skipped.")
     skip_warmup_steps: int = field(100, help="skip_bad_steps: steps that feed the grad-norm EMA before outliers can be skipped.")
     skip_ema_decay: float = field(0.99, help="skip_bad_steps: decay of the grad-norm EMA.")
+    momentum: float = field(0.95, help="muon: decay of the momentum that is orthogonalized (Nesterov).", hashed_at_default=False)
+    adam_lr: float = field(6e-4, help="muon: peak learning rate of the parameters Muon leaves to AdamW (embeddings, norms, biases, LM head), on the same schedule; Levanter's default.", hashed_at_default=False)
 
     @classmethod
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """Accept Levanter's ``type: adam`` (the only optimizer here)."""
-        kind = data.pop("type", "adam")
-        if kind not in ("adam", "adamw"):
-            raise ConfigError("type", f"unknown optimizer {kind!r}; only 'adam' (AdamW) is available")
+        """Levanter's ``type: adamw`` is ``adam``; Sophia is refused in one line (with its ``gamma``)."""
+        if data.get("type") == "adamw":
+            data["type"] = "adam"
+        if data.get("type") in SOPHIA:
+            raise ConfigError("type", f"Levanter's `optimizer.type: {data['type']}` (Sophia: Adam-like steps "
+                              "preconditioned by a Hutchinson estimate of the Hessian's diagonal, clipped by gamma) "
+                              "is not supported here: use type adam, lion, adafactor or muon (and drop gamma)")
         return data
 
     # -- validation ----------------------------------------------------------------------------
@@ -158,6 +166,10 @@ class OptimizerConfig:
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
                 raise ConfigError(name, f"must be in [0, 1), got {v}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError("momentum", f"must be in [0, 1), got {self.momentum}")
+        if not (self.adam_lr > 0 and math.isfinite(self.adam_lr)):
+            raise ConfigError("adam_lr", f"must be > 0, got {self.adam_lr}")
         if not self.epsilon >= 0:
             raise ConfigError("epsilon", f"must be >= 0, got {self.epsilon}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -273,9 +285,13 @@ class OptimizerConfig:
     # -- optimizer -----------------------------------------------------------------------------
 
     def build(
-        self, num_train_steps: int, weight_decay_mask: Any, *, loss_scaling: bool = False
+        self, num_train_steps: int, weight_decay_mask: Any, *, loss_scaling: bool = False, param_axes: Any = None
     ) -> optax.GradientTransformationExtraArgs:
-        """AdamW with this schedule (and bad-step skipping when enabled).
+        """The optimizer of ``type`` with this schedule (and bad-step skipping when enabled).
+
+        ``param_axes``: the model's logical axes per parameter (:meth:`LmModel.param_axes`); Muon
+        reads from them which parameters are matrices and which of their axes are inputs. Without
+        them Muon leaves every parameter to AdamW.
 
         ``weight_decay_mask``: a pytree of bools shaped like the parameters (see
         :func:`~lm_pipeline.train.optim.weight_decay_mask`), a callable params -> such a pytree,
@@ -291,4 +307,5 @@ class OptimizerConfig:
         """
         from lm_pipeline.train.optim import build_optimizer  # Optax only when building, not when parsing
 
-        return build_optimizer(self, num_train_steps, weight_decay_mask, loss_scaling=loss_scaling)
+        return build_optimizer(self, num_train_steps, weight_decay_mask, loss_scaling=loss_scaling,
+                               param_axes=param_axes)

@@ -132,7 +132,8 @@ def _layout(model_cfg, opt_cfg: OptimizerConfig, precision: Precision, vocab_siz
     model_arrays, model_static = eqx.partition(abstract_model, _is_array_like)
     axes = abstract_model.param_axes()
     param_shardings = plan.param_shardings(axes, model_arrays)
-    tx = opt_cfg.build(num_train_steps, weight_decay_mask(model_arrays, axes), loss_scaling=precision.uses_loss_scaling)
+    tx = opt_cfg.build(num_train_steps, weight_decay_mask(model_arrays, axes), loss_scaling=precision.uses_loss_scaling,
+                       param_axes=axes)
     replicated = plan.replicated()
 
     def init_arrays(key_data):
