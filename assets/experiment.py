@@ -78,9 +78,9 @@ class Experiment:
         """The experiment's :class:`~lm_pipeline.steps.Pipeline` over ``store`` (default: its own
         store root), made once per store root: its addresses are computed once per process."""
         from lm_pipeline.steps import Pipeline
-        from lm_pipeline.store import ArtifactStore
+        from lm_pipeline.store import open_store
 
-        store = store or ArtifactStore(self.store_root)
+        store = open_store(store or self.store_root)
         key = (store.root, progress)
         if key not in self._pipelines:
             self._pipelines[key] = Pipeline(self.cfg, store, progress=progress)

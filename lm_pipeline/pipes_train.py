@@ -203,13 +203,13 @@ def run_child(train: Callable[[ChildRun], tuple[str, dict[str, Any]]], *,
     from lm_pipeline.config import RunConfig
     from lm_pipeline.schema import from_dict
     from lm_pipeline.steps import Pipeline
-    from lm_pipeline.store import ArtifactStore
+    from lm_pipeline.store import open_store
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with open_dagster_pipes() as pipes:
         extras = pipes.extras
         cfg = from_dict(RunConfig, yaml.safe_load(extras["config"]))
-        pipe = Pipeline(cfg, ArtifactStore(extras["store_root"]), progress=False)
+        pipe = Pipeline(cfg, open_store(extras["store_root"]), progress=False)
         fp = pipe.address("train_ckpt").fingerprint
         expected = extras.get("expected_fingerprint")
         if expected and fp != expected:

@@ -111,7 +111,8 @@ class Artifact:
 
 class ArtifactStore:
     """``<root>/<stage>/<fingerprint>/`` directories with manifests, on any fsspec root;
-    ``stage_roots`` puts a stage's artifacts at ``<stage_root>/<fingerprint>/`` instead."""
+    ``stage_roots`` puts a stage's artifacts at ``<stage_root>/<fingerprint>/`` instead. Callers
+    get one from :func:`open_store`."""
 
     def __init__(self, root: str, stage_roots: dict[str, str] | None = None):
         self.root = root.rstrip("/")
@@ -242,3 +243,12 @@ class ArtifactStore:
             except TimeoutError:
                 raise TimeoutError(f"another process is building {art.path}") from None
             yield
+
+
+def open_store(where: ArtifactStore | str, stage_roots: dict[str, str | None] | None = None) -> ArtifactStore:
+    """The artifact store at ``where`` (its root: a local path or URL), or ``where`` itself; with
+    ``stage_roots``, the stages named there kept at their own roots (None: where they were)."""
+    store = where if isinstance(where, ArtifactStore) else ArtifactStore(where)
+    for stage, root in (stage_roots or {}).items():
+        store = store.with_stage_root(stage, root)
+    return store

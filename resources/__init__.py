@@ -53,9 +53,9 @@ class ArtifactStoreResource(dg.ConfigurableResource):
     root: str
 
     def store(self):
-        from lm_pipeline.store import ArtifactStore
+        from lm_pipeline.store import open_store
 
-        return ArtifactStore(self.root)
+        return open_store(self.root)
 
 
 class TokenizingResource(dg.ConfigurableResource):

@@ -72,9 +72,9 @@ def _build_part(config_yaml: str, store_root: str, expected_fingerprint: str, gr
     from lm_pipeline.faultpoints import faultpoint
     from lm_pipeline.schema import from_dict
     from lm_pipeline.steps import CacheGroup, Pipeline
-    from lm_pipeline.store import ArtifactStore
+    from lm_pipeline.store import open_store
 
-    pipe = Pipeline(from_dict(RunConfig, yaml.safe_load(config_yaml)), ArtifactStore(store_root), progress=False)
+    pipe = Pipeline(from_dict(RunConfig, yaml.safe_load(config_yaml)), open_store(store_root), progress=False)
     fp = pipe.address("token_cache").fingerprint
     if fp != expected_fingerprint:
         raise RuntimeError(f"token_cache fingerprint {fp} on this node differs from the driver's {expected_fingerprint}; "

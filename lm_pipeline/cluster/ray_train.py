@@ -131,14 +131,14 @@ class TrainProcess:
         from lm_pipeline.pipes_train import stage_metadata, train_run
         from lm_pipeline.schema import from_dict
         from lm_pipeline.steps import Pipeline
-        from lm_pipeline.store import ArtifactStore
+        from lm_pipeline.store import open_store
 
         pid, n = self.process_id, self.num_processes
         raw = apply_overrides(yaml.safe_load(config_yaml), [
             ("trainer.distributed.coordinator_address", coordinator), ("trainer.distributed.num_processes", n),
             ("trainer.distributed.process_id", pid), ("trainer.distributed.initialize", n > 1)])
         cfg = from_dict(RunConfig, raw)
-        store = ArtifactStore(store_root)
+        store = open_store(store_root)
         pipe = Pipeline(cfg, store, progress=False)  # process 0 locks and commits (steps.pipeline.DISTRIBUTED_STAGES)
         fp = pipe.address("train_ckpt").fingerprint
         if expected_fingerprint and fp != expected_fingerprint:

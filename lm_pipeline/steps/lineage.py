@@ -23,7 +23,7 @@ import yaml
 
 from lm_pipeline import fs
 from lm_pipeline.steps.stages import stage_table
-from lm_pipeline.store import MANIFEST, ArtifactStore
+from lm_pipeline.store import MANIFEST, ArtifactStore, open_store
 
 __all__ = ["MIN_PREFIX", "AmbiguousFingerprint", "IncompleteArtifact", "LineageError", "UnknownArtifact",
            "broken_links", "format_lineage", "lineage", "resolve", "to_json"]
@@ -104,7 +104,7 @@ def _from_path(arg: str, store_root: str | None, stages: Sequence[str]) -> tuple
                               f"<store>/<stage>/<fingerprint>/..., or a fingerprint)")
     # Every "<stage>/<hex>" pair of the path, deepest first; the first with its own manifest is the
     # artifact (a checkpoint's tokenizer/tokenizer.json is no tokenizer artifact: not hex, no manifest).
-    candidates = [(ArtifactStore(root), stage, fp) for root, stage, fp in _addresses(path)
+    candidates = [(open_store(root), stage, fp) for root, stage, fp in _addresses(path)
                   if stage in stages and _HEX.match(fp)]
     for store, stage, fp in candidates:
         if store.manifest(stage, fp) is not None:
@@ -115,7 +115,7 @@ def _from_path(arg: str, store_root: str | None, stages: Sequence[str]) -> tuple
     # A run directory outside the store (trainer.checkpointer.base_path): its train_ckpt manifest
     # in the given store records it.
     if store_root is not None and "train_ckpt" in stages:
-        store = ArtifactStore(store_root)
+        store = open_store(store_root)
         for m in store.complete("train_ckpt"):
             run_dir = m.get("run_dir")
             if isinstance(run_dir, str) and run_dir:
@@ -132,7 +132,7 @@ def _from_fingerprint(arg: str, store_root: str, stages: Sequence[str]) -> tuple
     if not _HEX.match(key) or len(key) < MIN_PREFIX:
         raise UnknownArtifact(f"{arg!r} is neither a path nor a fingerprint (hexadecimal, at least "
                               f"{MIN_PREFIX} characters)")
-    store = ArtifactStore(store_root)
+    store = open_store(store_root)
     matches = []
     for stage in stages:
         for name, is_dir in fs.listdir(f"{store.root}/{stage}"):
@@ -236,7 +236,7 @@ def lineage(store: ArtifactStore | str, stage: str, fingerprint: str,
     ``hf_export, train_ckpt, token_cache, tokenizer, raw_shards``.
     """
     stages = tuple(stage_table()) if stages is None else stages
-    store = ArtifactStore(store) if isinstance(store, str) else store
+    store = open_store(store)
     found: dict[tuple[str, str], dict[str, Any]] = {}
     readers: dict[tuple[str, str], list[tuple[str, str]]] = {}
     todo = [(stage, fingerprint)]

@@ -32,7 +32,7 @@ from lm_pipeline.steps.plan import plan_text as _plan_text
 from lm_pipeline.steps.result import Address, StageResult
 from lm_pipeline.steps.stage import BuildContext, Inputs, Stage
 from lm_pipeline.steps.stages import stage_table
-from lm_pipeline.store import ArtifactStore
+from lm_pipeline.store import ArtifactStore, open_store
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class Pipeline:
                  eval_config: Any = None, export_config: Any = None, stages: Sequence[Stage] | None = None):
         self.cfg = cfg
         # data.cache_dir keeps token caches outside the store (the store keeps pointers to them)
-        self.store = (store or ArtifactStore(cfg.store.root)).with_stage_root("token_cache", cfg.data.cache_dir)
+        self.store = open_store(store or cfg.store.root, {"token_cache": cfg.data.cache_dir})
         self.progress = progress
         self._eval_config = eval_config
         self._export_config = export_config
