@@ -181,3 +181,25 @@ def test_remat_policy_saves_dense_outputs(capsys):
     assert DENSE_OUT in saved(matmuls_and_attention_saveable())
     assert DENSE_OUT not in saved(jax.checkpoint_policies.dots_saveable)
     assert plan_for("cpu", jnp.float32).remat_policy() is not None
+
+
+@pytest.mark.parametrize("bias_shape", [(8,), (4, 2)])
+def test_low_precision_bias_gradient_is_the_float64_sum_rounded_once(bias_shape):
+    """A bf16 activation's bias gradient on the CPU plan: the cotangent summed over every leading
+    axis in float64 (NumPy), then rounded once to bf16. A sum accumulated in bf16, a missing axis
+    or a gradient of the wrong shape fails; the forward is ``y + b`` in bf16."""
+    cpu = plan_for("cpu", jnp.bfloat16)
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    y = jax.random.normal(k1, (6, 64, *bias_shape)).astype(jnp.bfloat16)
+    b = jax.random.normal(k2, bias_shape).astype(jnp.bfloat16)
+    w = (1.0 + jax.random.uniform(k3, y.shape)).astype(jnp.bfloat16)  # cotangent of y + b: w
+
+    out, vjp = jax.vjp(cpu.add_bias, y, b)
+    gy, gb = vjp(w)
+
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(y + b))
+    np.testing.assert_array_equal(np.asarray(gy), np.asarray(w))
+    want = np.asarray(w, np.float64).sum(axis=(0, 1))
+    assert gb.dtype == jnp.bfloat16 and gb.shape == bias_shape
+    np.testing.assert_array_equal(np.asarray(gb, np.float32), want.astype(np.float32).astype(jnp.bfloat16).astype(np.float32))
+    assert cpu.add_bias(y, None) is y
