@@ -164,16 +164,22 @@ def _run_checkpoint(cfg) -> str:
     return found
 
 
-def _eval(cfg, ckpt: str, output_dir: str | None, tasks: str | None = None) -> int:
-    """Evaluate ``ckpt`` on the config's validation sets, then on its lm-evaluation-harness tasks
-    (``eval_harness:``; with ``--tasks`` on those tasks only, :mod:`lm_pipeline.eval.tasks`)."""
-    from lm_pipeline import fs
+def _eval_tasks(cfg, tasks: str | None):
+    """(the lm-evaluation-harness tasks to run, their checked index): the config's
+    ``eval_harness:`` or ``--tasks``; (None, None) when there are none."""
     from lm_pipeline.eval.tasks import harness_config, prepare_tasks
 
     harness = harness_config(cfg.eval_harness, tasks)
-    manager = prepare_tasks(harness) if harness is not None else None  # task names checked before any compute
+    return (harness, prepare_tasks(harness)) if harness is not None else (None, None)
+
+
+def _eval(cfg, ckpt: str, output_dir: str | None, harness=None, manager=None, tasks_only: bool = False) -> int:
+    """Evaluate ``ckpt`` on the config's validation sets (unless ``tasks_only``), then on the
+    harness tasks (:mod:`lm_pipeline.eval.tasks`)."""
+    from lm_pipeline import fs
+
     out = output_dir or cfg.eval.report_dir or fs.join(ckpt, "eval")
-    if tasks is None:
+    if not tasks_only:
         _eval_loss(cfg, ckpt, out)
     if harness is not None:
         from lm_pipeline.eval.tasks import evaluate_tasks, results_table
@@ -346,9 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _estimate(cfg, args)
         if cmd == "lineage":
             return _lineage(cfg, args)
+        harness = _eval_tasks(cfg, args.tasks) if cmd == "eval" else None  # task names before any checkpoint
         ckpt = _resolve_checkpoint(args.checkpoint_path) if args.checkpoint_path else _run_checkpoint(cfg)
         if cmd == "eval":
-            return _eval(cfg, ckpt, args.output_dir, args.tasks)
+            return _eval(cfg, ckpt, args.output_dir, *harness, tasks_only=args.tasks is not None)
         if cmd == "export":
             from lm_pipeline.hf import export_hf
 
