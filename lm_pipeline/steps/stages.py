@@ -19,6 +19,7 @@ from lm_pipeline import fs
 from lm_pipeline.fingerprint import semantic_view
 from lm_pipeline.steps import builders, shown
 from lm_pipeline.steps.stage import Stage
+from lm_pipeline.train.run_identity import run_semantics, start_weights
 
 if TYPE_CHECKING:
     from lm_pipeline.steps.pipeline import Pipeline
@@ -71,29 +72,12 @@ def _tokenizer_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
 
 
 def _train_config(pipe: Pipeline) -> Any:
-    cfg = pipe.cfg
-    conf = {"model": semantic_view(cfg.model), "trainer": semantic_view(cfg.trainer),
-            "optimizer": semantic_view(cfg.optimizer), "packing": cfg.data.packing}
-    if cfg.data.shuffle != "epoch":  # the row order; absent for the default, so existing runs keep their address
-        conf["shuffle"] = {"order": cfg.data.shuffle, "era_length": cfg.data.era_length}
-    if cfg.trainer.num_epochs is not None:  # epochs -> steps rounds up (it rounded to nearest before)
-        conf["epochs_to_steps"] = "ceil"
-    return conf
+    return {**run_semantics(pipe.cfg), "packing": pipe.cfg.data.packing}
 
 
 def _train_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
     """Continued pretraining: the starting Hugging Face weights by content (or hub commit)."""
-    source = pipe.cfg.initialize_from_hf
-    if not source:
-        return {}
-    from lm_pipeline.hf.start import hf_weights_identity
-    from lm_pipeline.inputs import hub_model_problem
-    from lm_pipeline.schema import ConfigError
-
-    problem = hub_model_problem(source, "initialize_from_hf")  # offline and not cached: in seconds, one line
-    if problem:
-        raise ConfigError("initialize_from_hf", problem)
-    return {"hf_weights": hf_weights_identity(source)}
+    return start_weights(pipe.cfg)
 
 
 # -- the table ----------------------------------------------------------------------------------------

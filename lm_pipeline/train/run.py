@@ -54,25 +54,19 @@ TRAIN_CODE_VERSION = 1  # run ids of existing runs hash this value: keep it, wha
 
 def run_id_for(cfg: RunConfig, data_fingerprint: str | None = None) -> str:
     """A run's id when ``train`` is called without one: ``trainer.id`` if given, else ``run-`` and
-    :func:`~lm_pipeline.fingerprint.fingerprint` of the ``train_ckpt`` stage over the model, trainer
-    and optimizer sections with the data's fingerprint as input.
+    :func:`~lm_pipeline.fingerprint.fingerprint` of the ``train_ckpt`` stage over the run's
+    semantic config (:mod:`lm_pipeline.train.run_identity`, the pipeline's too) with the data's
+    fingerprint as input.
 
     The pipeline names its runs by the ``train_ckpt`` address instead (``Pipeline.run_id``), which
     also covers packing and the token cache's address; this form is kept for library callers, so
     that their existing runs keep their ids (and resume)."""
+    from lm_pipeline.train.run_identity import run_semantics, start_weights
+
     if cfg.trainer.id:
         return cfg.trainer.id
-    semantic = {"model": cfg.model, "trainer": cfg.trainer, "optimizer": cfg.optimizer}
-    inputs = {"data": data_fingerprint or ""}
-    if cfg.initialize_from_hf:  # the starting weights by content (a new input: existing ids unchanged)
-        from lm_pipeline.hf.start import hf_weights_identity
-
-        inputs["hf_weights"] = hf_weights_identity(cfg.initialize_from_hf)
-    if cfg.data.shuffle != "epoch":  # the row order (absent for the default: existing ids unchanged)
-        semantic["shuffle"] = {"order": cfg.data.shuffle, "era_length": cfg.data.era_length}
-    if cfg.trainer.num_epochs is not None:  # epochs round up to steps (to nearest before): a new id
-        semantic["epochs_to_steps"] = "ceil"
-    return "run-" + fingerprint("train_ckpt", semantic, TRAIN_CODE_VERSION, inputs)
+    inputs = {"data": data_fingerprint or "", **start_weights(cfg)}
+    return "run-" + fingerprint("train_ckpt", run_semantics(cfg), TRAIN_CODE_VERSION, inputs)
 
 
 def _find_resume_path(cfg: RunConfig, run_dir: str) -> str | None:
