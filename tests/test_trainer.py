@@ -12,9 +12,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers.nonfinite import poisoning
 
 from lm_pipeline.batch import ArrayDataset, LmBatch, StepBatchSource
 from lm_pipeline.config import load_config
+from lm_pipeline.train import run
 from lm_pipeline.train.checkpoint import latest_checkpoint, read_metadata
 from lm_pipeline.train.run import train
 from lm_pipeline.train.sharding import make_mesh
@@ -234,7 +236,7 @@ def test_initialize_from_starts_a_new_run_with_old_weights(tmp_path):
 
 
 def _nan_run(tmp_path, monkeypatch, skip: bool):
-    monkeypatch.setenv("LM_PIPELINE_INJECT_NONFINITE_STEPS", "5,6")
+    monkeypatch.setattr(run, "build_step_functions", poisoning(run.build_step_functions, {5, 6}))  # NaN at 5 and 6
     cfg = load_config(None, {**TINY, "trainer.num_train_steps": 12, "trainer.log_every": 4,
                              "optimizer.skip_bad_steps": skip, "optimizer.skip_grad_norm_factor": None,
                              "trainer.checkpointer.keep": [{"every": 3}], "trainer.log_dir": str(tmp_path / "logs")})

@@ -145,9 +145,8 @@ def train(
     fns = run.fns
     try:
         for step, (toks, seg) in batches:
-            step_fn = fns.poisoned_train_step if step + 1 in fns.poisoned_steps else fns.train_step
             with run.plan.mesh:
-                state, metrics = step_fn(state, toks, seg)
+                state, metrics = fns.train_step(state, toks, seg)
             done = step + 1
             faultpoint("train.after_step")
             meter.after_step(step, metrics)

@@ -53,26 +53,6 @@ def cast_floating(tree: Any, dtype) -> Any:
     return jax.tree.map(cast, tree)
 
 
-INJECT_NONFINITE_ENV = "LM_PIPELINE_INJECT_NONFINITE_STEPS"
-
-
-def injected_nonfinite_steps() -> tuple[int, ...]:
-    """Train steps (1-based) whose loss and gradients a test forces to NaN.
-
-    Read from ``$LM_PIPELINE_INJECT_NONFINITE_STEPS`` (comma-separated). When set, the step
-    functions carry a second, separately compiled ``poisoned_train_step`` that the loop calls for
-    those steps; the production ``train_step`` is the same program either way. This is how the
-    fault suite checks that a NaN is skipped or stops the run, and never reaches a checkpoint.
-    """
-    spec = os.environ.get(INJECT_NONFINITE_ENV, "").strip()
-    if not spec:
-        return ()
-    try:
-        return tuple(sorted({int(x) for x in spec.split(",") if x.strip()}))
-    except ValueError:
-        raise ValueError(f"${INJECT_NONFINITE_ENV}={spec!r}: expected comma-separated step numbers, e.g. 5,6") from None
-
-
 def _is_array_like(x) -> bool:
     return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
 
@@ -92,8 +72,6 @@ class StepFunctions:
     state_shardings: Any
     abstract_state: Any
     compute: ComputePlan
-    poisoned_steps: tuple[int, ...] = ()  # 1-based steps the loop runs with poisoned_train_step
-    poisoned_train_step: StepFn | None = None
     micro_batch_rows: int = 0  # rows of one micro-batch over all data-parallel devices
     accumulation_steps: int = 1  # micro-batches accumulated by train_step (what its scan runs)
 
@@ -202,20 +180,14 @@ def build_step_functions(
     replicated, batch_sharding = plan.replicated(), plan.batch_sharding()
     in_shardings = (lay.state_shardings, batch_sharding, batch_sharding if has_segments else None)
 
-    def jit_train(poison: bool) -> StepFn:
-        return jax.jit(partial(_train_step, ctx, poison=poison), in_shardings=in_shardings,
-                       out_shardings=(lay.state_shardings, replicated), donate_argnums=(0,))
-
-    poisoned = injected_nonfinite_steps()
     return StepFunctions(
         init=jax.jit(lay.init_arrays, out_shardings=lay.state_shardings),
-        train_step=jit_train(False),
+        train_step=jax.jit(partial(_train_step, ctx), in_shardings=in_shardings,
+                           out_shardings=(lay.state_shardings, replicated), donate_argnums=(0,)),
         eval_step=jax.jit(partial(_eval_step, ctx), in_shardings=in_shardings, out_shardings=(replicated, replicated)),
         state_shardings=lay.state_shardings,
         abstract_state=lay.abstract_state,
         compute=compute,
-        poisoned_steps=poisoned,
-        poisoned_train_step=jit_train(True) if poisoned else None,
         micro_batch_rows=micro,
         accumulation_steps=ctx.accum,
     )
@@ -257,7 +229,7 @@ def _accumulated_grads(ctx: _StepContext, params, tokens, seg, step_key, scale):
     return jax.lax.scan(body, zeros, jnp.arange(ctx.accum))[0]
 
 
-def _train_step(ctx: _StepContext, state: TrainState, tokens, seg, *, poison: bool = False):
+def _train_step(ctx: _StepContext, state: TrainState, tokens, seg):
     """One optimizer step on a global batch: (new state, metrics)."""
     params = state.model
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
@@ -267,9 +239,6 @@ def _train_step(ctx: _StepContext, state: TrainState, tokens, seg, *, poison: bo
     denom = count * scale if ctx.scaling else count
     grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / denom), grads)
     loss = loss_sum / count
-    if poison:  # the fault suite's second program (injected_nonfinite_steps), never the production one
-        loss = jnp.full_like(loss, jnp.nan)
-        grads = jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), grads)
     grads = jax.lax.with_sharding_constraint(grads, ctx.lay.param_shardings)
     updates, opt_state = ctx.lay.tx.update(grads, state.opt_state, params, loss=loss)
     metrics = {

@@ -226,9 +226,8 @@ _JAX_CACHE: dict[str, str] = {}  # the session's persistent compilation cache (s
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("LM_PIPELINE_FAULTPOINT") and k not in ("LM_PIPELINE_CACHE_FAULT",
-                                                                          "LM_PIPELINE_INJECT_NONFINITE_STEPS")}
-    env.update({"PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           if not k.startswith("LM_PIPELINE_FAULTPOINT") and k != "LM_PIPELINE_CACHE_FAULT"}
+    env.update({"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                 "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
     if _JAX_CACHE:  # compile once per session, not once per process (same executables: same bits)
         env.update({"JAX_COMPILATION_CACHE_DIR": _JAX_CACHE["dir"], "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
@@ -251,10 +250,12 @@ class StageRun:
 def run_stage(exp: Experiment, store: Path, stage: str, *, fault: str | None = None, action: str = "kill",
               cli: bool = False, env: dict[str, str] | None = None, timeout: float = 240,
               kill_when=None, trace: Path | None = None, overrides: tuple[str, ...] = (),
-              wait: bool = True):
+              wait: bool = True, nonfinite_steps: str | None = None):
     """Run ``stage`` over ``store`` in a new process. ``fault``: ``point[:N]`` to arm; ``cli``: run
-    ``lm-pipeline train`` instead of drive.py (train_ckpt only); ``kill_when``: a callable polled
-    every 10 ms whose truth makes the test SIGKILL the process (kill when a file appears)."""
+    ``lm-pipeline train`` instead of drive.py (train_ckpt only); ``nonfinite_steps``: with ``cli``,
+    the comma-separated 1-based train steps made NaN (``tests/helpers/nonfinite.py``);
+    ``kill_when``: a callable polled every 10 ms whose truth makes the test SIGKILL the process
+    (kill when a file appears)."""
     trace = trace or store.parent / f"trace-{time.monotonic_ns()}.txt"
     store.parent.mkdir(parents=True, exist_ok=True)
     extra = {faultpoints.ENV_TRACE: str(trace), **(env or {})}
@@ -263,7 +264,8 @@ def run_stage(exp: Experiment, store: Path, stage: str, *, fault: str | None = N
     overrides = ["--store.root", str(store), *overrides]
     if cli:
         assert stage == "train_ckpt"
-        cmd = [sys.executable, "-m", "lm_pipeline.cli", "train", "--config_path", str(exp.config), *overrides]
+        entry = ["helpers.nonfinite", nonfinite_steps] if nonfinite_steps else ["lm_pipeline.cli"]
+        cmd = [sys.executable, "-m", *entry, "train", "--config_path", str(exp.config), *overrides]
     else:
         cmd = [sys.executable, str(HERE / "drive.py"), str(exp.config), stage, *overrides]
     proc = subprocess.Popen(cmd, cwd=exp.root, env=child_env(extra), stdout=subprocess.PIPE,

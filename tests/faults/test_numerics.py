@@ -1,6 +1,7 @@
-"""Non-finite loss or gradients (forced by ``LM_PIPELINE_INJECT_NONFINITE_STEPS``, 1-based train
-steps made NaN inside the jitted step): skipped with ``optimizer.skip_bad_steps: true``, a clear
-stop otherwise, and never a non-finite value in a saved checkpoint."""
+"""Non-finite loss or gradients (1-based train steps made NaN from the test side: the production
+step run on NaN token embeddings, ``tests/helpers/nonfinite.py``): skipped with
+``optimizer.skip_bad_steps: true``, a clear stop otherwise, and never a non-finite value in a saved
+checkpoint."""
 
 from __future__ import annotations
 
@@ -9,17 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, artifact_dir, copy_store, final_params, run_stage
+from conftest import artifact_dir, copy_store, final_params, run_stage
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
-INJECT = "LM_PIPELINE_INJECT_NONFINITE_STEPS"
-
-
-def _hook_exists() -> bool:
-    return any(INJECT in p.read_text() for p in (REPO / "lm_pipeline").rglob("*.py"))
-
-
-needs_hook = pytest.mark.skipif(not _hook_exists(), reason=f"not run: the {INJECT} test hook is not in lm_pipeline/train yet")
 
 
 def _checkpoints(run: Path) -> dict[int, dict]:
@@ -35,11 +28,10 @@ def _checkpoints(run: Path) -> dict[int, dict]:
     return out
 
 
-@needs_hook
 @pytest.mark.reliability("non-finite loss / gradients")
 def test_nonfinite_step_stops_the_run_clearly(experiment, tmp_path, note):
     store = copy_store(experiment.reference, tmp_path / "store", drop=("train_ckpt", "eval_report", "hf_export"))
-    res = run_stage(experiment, store, "train_ckpt", cli=True, env={INJECT: "3"},
+    res = run_stage(experiment, store, "train_ckpt", cli=True, nonfinite_steps="3",
                     overrides=("--optimizer.skip_bad_steps", "false"))
     assert res.returncode not in (0, -9), res.output[-2000:]
     tail = res.output[-4000:]
@@ -53,11 +45,10 @@ def test_nonfinite_step_stops_the_run_clearly(experiment, tmp_path, note):
          f"complete checkpoints: {sorted(saved)} (all finite), none after step 2")
 
 
-@needs_hook
 @pytest.mark.reliability("non-finite loss / gradients")
 def test_nonfinite_steps_are_skipped_when_configured(experiment, tmp_path, note):
     store = copy_store(experiment.reference, tmp_path / "store", drop=("train_ckpt", "eval_report", "hf_export"))
-    res = run_stage(experiment, store, "train_ckpt", cli=True, env={INJECT: "3,4"},
+    res = run_stage(experiment, store, "train_ckpt", cli=True, nonfinite_steps="3,4",
                     overrides=("--optimizer.skip_bad_steps", "true"))
     assert res.returncode == 0, res.output[-3000:]
     run = artifact_dir(store, "train_ckpt")
