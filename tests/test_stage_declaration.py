@@ -97,3 +97,18 @@ def test_a_leaf_stage_declared_in_its_own_module_reaches_cli_plan_lineage_and_da
     assert meta["cache_hit"].value is True and meta["fingerprint"].value == fp
     rows = {r.data["split"]: {k: v for k, v in r.data.items() if k != "split"} for r in meta["stats"].value.records}
     assert rows == reference
+
+
+def test_the_architecture_page_lists_the_stage_table_as_declared():
+    """docs/architecture.md's table of stages (what each reads, its pool, its subcommand) is the table."""
+    import re
+
+    text = (TESTS.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rows = {}
+    for m in re.finditer(r"^\| `(\w+)` \| (.+?) \| (.+?) \| (.+?) \|$", text, re.M):
+        reads = () if m.group(2) == "the data's shards" else tuple(re.findall(r"`(\w+)`", m.group(2)))
+        pool = None if m.group(3) == "—" else m.group(3)
+        command = None if m.group(4) == "—" else m.group(4).strip("`")
+        rows[m.group(1)] = (reads, pool, command)
+    table = stages.stage_table()
+    assert rows == {s.name: (s.upstream, s.pool, s.command[0] if s.command else None) for s in table.values()}
