@@ -196,6 +196,24 @@ def load_hf_checkpoint(
     ``auto_map`` raise :class:`UnsafeCheckpointError`.
     """
     local = _resolve_source(source, revision, cache_dir, token)
+    hf_cfg = config_from_hf(_read_config_json(local))
+    if use_hf_model_config or config is None:
+        cfg = hf_cfg
+    else:
+        if type(config) is not type(hf_cfg):
+            raise ConfigError("model.type", f"is {config.type!r} but {local} holds a {hf_cfg.type!r} model")
+        cfg = config
+    model = _model_from_weights(local, cfg)
+    if dtype is not None:
+        from lm_pipeline.train.trainer import cast_floating
+
+        model = cast_floating(model, resolve_dtype(dtype))
+    return cfg, model
+
+
+def _read_config_json(local: str) -> dict[str, Any]:
+    """The ``config.json`` of the local model directory ``local``; one that names custom modelling
+    code (``auto_map``) is refused."""
     cfg_path = os.path.join(local, CONFIG_NAME)
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{local} has no {CONFIG_NAME}")
@@ -211,13 +229,12 @@ def load_hf_checkpoint(
         raise UnsafeCheckpointError(
             f"{local}: config.json has an auto_map (custom modelling code, trust_remote_code); refusing to run it"
         )
-    hf_cfg = config_from_hf(hf)
-    if use_hf_model_config or config is None:
-        cfg = hf_cfg
-    else:
-        if type(config) is not type(hf_cfg):
-            raise ConfigError("model.type", f"is {config.type!r} but {local} holds a {hf_cfg.type!r} model")
-        cfg = config
+    return hf
+
+
+def _model_from_weights(local: str, cfg: LmConfig) -> LmModel:
+    """The model of config ``cfg`` with the safetensors weights of ``local``; weights that do not
+    fit the config raise :class:`HfWeightsError` naming the tensor."""
     state = read_safetensors_dir(local)
     emb = embedding_names(cfg)[0]
     if emb not in state and isinstance(cfg, Gpt2Config) and "wte.weight" in state:
@@ -234,9 +251,5 @@ def load_hf_checkpoint(
         raise HfWeightsError(f"{local}: {str(e).splitlines()[0]} ({cfg.type}, hidden {cfg.hidden_dim}, "
                              f"{cfg.num_heads} heads, {cfg.num_layers} layers); the weights and the config do not "
                              "match") from None
-    if dtype is not None:
-        from lm_pipeline.train.trainer import cast_floating
-
-        model = cast_floating(model, resolve_dtype(dtype))
-    return cfg, model
+    return model
 
