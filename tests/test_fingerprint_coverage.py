@@ -97,15 +97,15 @@ STAGE_OF: dict[str, str | None] = {
             "initialize_from max_epochs z_loss_weight"),
     **_each("train_ckpt", "optimizer.", "learning_rate weight_decay beta1 beta2 epsilon max_grad_norm "
             "lr_schedule min_lr_ratio warmup decay rewarmup cycles cycle_length skip_bad_steps "
-            "skip_grad_norm_factor skip_warmup_steps skip_ema_decay type momentum adam_lr"),
+            "skip_grad_norm_factor skip_warmup_steps skip_ema_decay type momentum adam_lr gamma update_interval"),
     **_each("eval_report", "eval.", "batch_size max_eval_batches compute_dtype unigram_baseline"),
     **_each("hf_export", "export.", "max_shard_size dtype"),
     # no artifact: worker counts, recomputation, cadence, layout, paths, resumption, trackers
     **_each(None, "data.", "cache_dir num_workers shard_group_size"),
-    # a mixture: the pipeline does not train one yet (it refuses a data section without a training
-    # source of its own), so no artifact depends on these; they become semantic when it does
-    # (configs: raw_shards; train_weights, stop_strategy, mixture_block_size: train_ckpt)
-    **_each(None, "data.", "configs train_weights stop_strategy mixture_block_size"),
+    # a mixture: its components' sources are read into raw_shards; how rows are drawn from them
+    # (the weights, the stop strategy, the block) changes the run only
+    "data.configs": "raw_shards",
+    **_each("train_ckpt", "data.", "train_weights stop_strategy mixture_block_size"),
     "model[gpt2].gradient_checkpointing": None,
     "model[llama].gradient_checkpointing": None,
     **_each(None, "trainer.", "per_device_parallelism gradient_accumulation_steps device_memory_gib per_device_eval_parallelism "
@@ -176,7 +176,7 @@ SPECIAL: dict[str, tuple[dict[str, Any], Any]] = {
     "data.tokenizer.kind": ({"data.tokenizer.name_or_path": "some-org/some-tokenizer"}, "hf"),
     "trainer.num_epochs": ({"trainer.num_train_steps": None}, 2.0),
     "data.era_length": ({"data.shuffle": "era"}, 1024),
-    "data.configs": (_MIXTURE, {**_MIXTURE["data.configs"], "extra": {"validation_urls": ["extra.jsonl"]}}),
+    "data.configs": (_MIXTURE, {**_MIXTURE["data.configs"], "extra": {"train_urls": ["extra.jsonl"]}}),
     "data.train_weights": ({**_MIXTURE, "data.configs": {**_MIXTURE["data.configs"], "code": {"train_urls": ["extra.jsonl"]}}},
                            {"web": 0.5, "code": 0.5}),
     "data.stop_strategy": (_MIXTURE, "first_exhausted"),

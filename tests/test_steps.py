@@ -38,12 +38,13 @@ EXPECTED_SEMANTIC = {
     "data.tokenizer.name_or_path": True, "data.tokenizer.revision": True, "data.tokenizer.eos_token": True,
     "data.packing": True, "data.shuffle": True, "data.era_length": True,
     "data.cache_dir": False, "data.num_workers": False, "data.shard_group_size": False,
-    # a mixture: not trained by the pipeline yet, so in no fingerprint (components included)
-    "data.train_weights": False, "data.stop_strategy": False, "data.mixture_block_size": False,
-    **{f"data.configs.{f}": False for f in (
+    # a mixture: its components' sources (as the section's own, cache_dir aside) and how rows are drawn
+    "data.train_weights": True, "data.stop_strategy": True, "data.mixture_block_size": True,
+    **{f"data.configs.{f}": True for f in (
         "train_urls", "validation_urls", "validation", "format", "text_key", "json_records_key", "text_unit", "hf_id",
         "hf_name", "hf_split", "hf_validation_split", "hf_revision", "hf_data_files", "hf_streaming", "hf_shard_rows",
-        "builtin", "builtin_max_bytes", "builtin_validation_fraction", "min_length", "on_invalid", "cache_dir")},
+        "builtin", "builtin_max_bytes", "builtin_validation_fraction", "min_length", "on_invalid")},
+    "data.configs.cache_dir": False,
     # model families
     **{f"model[gpt2].{f}": True for f in (
         "type", "seq_len", "hidden_dim", "num_layers", "num_heads", "mlp_scale", "initializer_range", "embed_pdrop",

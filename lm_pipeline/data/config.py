@@ -211,12 +211,13 @@ class DataConfig(SourceConfig):
     num_workers: int = field(0, help="Tokenizer worker processes; 0 means all cores.", semantic=False, aliases=("preprocessing_num_workers",))
     shard_group_size: int = field(8, help="Shards per cache-building group (the unit of resumption and fan-out).", semantic=False)
     # --- a mixture of sources (Levanter's LMMixtureDatasetConfig) ----------------------------
-    # Not in any fingerprint yet: the pipeline does not train a mixture yet (a section without a
-    # training source of its own is refused before any work), so no artifact depends on them.
-    configs: dict[str, SourceConfig] = field(default_factory=dict, help="A mixture's components: name -> a source with this section's source fields (train_urls, validation_urls, validation, format, text_key, id/hf_id, name, ..., builtin, min_length, on_invalid, cache_dir). Training draws from them by train_weights; the section's own training source stays empty. The pipeline does not train a mixture yet: see own-data.md#data-mixtures.", semantic=False)
-    train_weights: dict[str, float] | tuple[tuple[int | dict[str, float], ...], ...] = field(default_factory=dict, help="A mixture's weights: {component: weight} for the whole run, or phases [[step, {component: weight}], ...] starting at step 0, each from its step on. Weights are relative (normalized per phase); a component left out has weight 0.", semantic=False)
-    stop_strategy: Literal["restart", "first_exhausted", "all_exhausted"] = field("restart", help="When a mixture ends: never ('restart': a component that runs out starts again in a new order), when its first component runs out, or when its last one does (the others restarting meanwhile).", semantic=False)
-    mixture_block_size: int = field(2048, help="A mixture's block: every block of this many rows holds each component's share of rows exactly (rounded down, the rows left over to the largest share), in a seeded order.", semantic=False)
+    # Semantic, hashed only when set (hashed_at_default=False): a config without a mixture keeps
+    # its addresses. Each component's token cache is addressed by that component's source alone
+    # (lm_pipeline.steps.mixture); the weights, stop strategy and block size enter the run's.
+    configs: dict[str, SourceConfig] = field(default_factory=dict, help="A mixture's components: name -> a source with this section's source fields (train_urls, validation_urls, validation, format, text_key, id/hf_id, name, ..., builtin, min_length, on_invalid, cache_dir). Each is tokenized into its own token cache (shared by every experiment that uses the same source and tokenizer); training draws from them by train_weights and each validation set is evaluated as <component>/<set>; the section's own training source stays empty. See own-data.md#data-mixtures.", hashed_at_default=False)
+    train_weights: dict[str, float] | tuple[tuple[int | dict[str, float], ...], ...] = field(default_factory=dict, help="A mixture's weights: {component: weight} for the whole run, or phases [[step, {component: weight}], ...] starting at step 0, each from its step on. Weights are relative (normalized per phase); a component left out has weight 0.", hashed_at_default=False)
+    stop_strategy: Literal["restart", "first_exhausted", "all_exhausted"] = field("restart", help="When a mixture ends: never ('restart': a component that runs out starts again in a new order), when its first component runs out, or when its last one does (the others restarting meanwhile).", hashed_at_default=False)
+    mixture_block_size: int = field(2048, help="A mixture's block: every block of this many rows holds each component's share of rows exactly (rounded down, the rows left over to the largest share), in a seeded order.", hashed_at_default=False)
 
     @classmethod
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:

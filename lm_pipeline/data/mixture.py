@@ -475,3 +475,28 @@ def mixture_source(cfg: DataConfig, datasets: Mapping[str, SequenceDataset], bat
     return MixtureBatchSource(ordered, cfg.train_weights, batch_size, seed, block_size=cfg.mixture_block_size,
                               stop_strategy=cfg.stop_strategy, process_index=process_index,
                               process_count=process_count, shuffle=cfg.shuffle, era_length=cfg.era_length)
+
+
+def mixture_num_steps(source: MixtureBatchSource, trainer: Any, seq_len: int) -> int:
+    """A mixed run's steps: ``trainer.num_train_steps`` (or ``train_tokens``), cut where the
+    mixture ends under its stop strategy. Epochs have no meaning over a mixture (refused)."""
+    from lm_pipeline.schema import ConfigError
+
+    if trainer.num_train_steps is None and trainer.train_tokens is None and trainer.num_epochs is not None:
+        raise ConfigError("trainer.num_epochs", "a mixture's length is given by num_train_steps or train_tokens "
+                          "(and data.stop_strategy), not in epochs of its components; give num_train_steps")
+    if trainer.max_epochs is not None:
+        raise ConfigError("trainer.max_epochs", "does not apply to a mixture (its end is data.stop_strategy); remove it")
+    steps = trainer.resolve_num_steps(None, seq_len)
+    end = source.num_steps
+    if end is not None and end < steps:
+        _, name = source.length()
+        if end == 0:
+            raise ConfigError("data.stop_strategy", f"{source.stop_strategy}: component {name!r} runs out before "
+                              "the first batch is full; use restart or more data")
+        import logging
+
+        logging.getLogger(__name__).info("mixture: stop_strategy %s ends the run at step %d (component %r runs out), "
+                                         "before num_train_steps %d", source.stop_strategy, end, name, steps)
+        return end
+    return steps

@@ -60,13 +60,14 @@ def _token_counts(cache: TokenCache, vocab_size: int, chunk: int) -> np.ndarray:
 def unigram_log_probs(train_cache: Any, vocab_size: int | None = None, *, chunk: int = 1 << 24) -> tuple[np.ndarray, int]:
     """(log p [V] float64, number of training tokens): ``p(v) = (count(v) + 1) / (N + V)``.
 
-    ``train_cache``: a :class:`TokenCache`, a cache-backed dataset, or a cache location.
+    ``train_cache``: a :class:`TokenCache`, a cache-backed dataset, or a cache location; or a list
+    of them (a mixture's components: their tokens counted together).
     ``vocab_size`` defaults to the tokenizer's (stored in the cache's ledger).
     """
-    cache = _cache_of(train_cache)
+    caches = [_cache_of(c) for c in (train_cache if isinstance(train_cache, (list, tuple)) else [train_cache])]
     if vocab_size is None:
-        vocab_size = int(cache.settings["vocab_size"])
-    counts = _token_counts(cache, vocab_size, chunk)
+        vocab_size = int(caches[0].settings["vocab_size"])
+    counts = sum(_token_counts(cache, vocab_size, chunk) for cache in caches)
     n = int(counts.sum())
     return np.log(counts + 1.0) - math.log(n + vocab_size), n
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lm_pipeline.steps import mixture
 from lm_pipeline.steps.result import StageResult
 
 if TYPE_CHECKING:
@@ -50,7 +51,10 @@ def data_summary(manifest: dict[str, Any]) -> str:
 
 
 def raw_shards(ctx: BuildContext, inputs: Inputs) -> StageResult:
-    """Validate every shard under the configured policy; record per-shard counts."""
+    """Validate every shard under the configured policy; record per-shard counts (a mixture:
+    each component's, :func:`lm_pipeline.steps.mixture.raw_shards`)."""
+    if ctx.components():
+        return mixture.raw_shards(ctx, inputs)
 
     def write(path: str):
         from lm_pipeline.data.sources import scan_shards
@@ -87,7 +91,7 @@ def tokenizer(ctx: BuildContext, inputs: Inputs) -> StageResult:
 
         tok = ctx.cfg.data.tokenizer
         if tok.kind == "bpe":
-            info = build_tokenizer(tok, path, iter_shard_texts(ctx.shards()["train"]),
+            info = build_tokenizer(tok, path, iter_shard_texts(mixture.training_shards(ctx.shards())),
                                    progress=None if ctx.progress else False)  # a bar on a terminal only
         else:
             info = build_tokenizer(tok, path)
@@ -110,7 +114,10 @@ def ledger_counts(ledger: dict[str, Any]) -> dict[str, Any]:
 
 def token_cache(ctx: BuildContext, inputs: Inputs) -> StageResult:
     """Tokenize every split into its own token cache under this artifact (in this process; the
-    fan-out over shard groups is :mod:`lm_pipeline.steps.fanout`)."""
+    fan-out over shard groups is :mod:`lm_pipeline.steps.fanout`); a mixture: each component's
+    (:func:`lm_pipeline.steps.mixture.token_cache`)."""
+    if ctx.components():
+        return mixture.token_cache(ctx, inputs)
     tok = inputs["tokenizer"]
 
     def write(path: str):
@@ -176,6 +183,9 @@ def train_while_caching(ctx: BuildContext, inputs: Inputs) -> bool:
     cfg = ctx.cfg
     if cfg.data.shuffle != "era" or ctx.complete() or inputs.complete("token_cache"):
         return False
+    if ctx.components():
+        log.info("data.shuffle: era with a mixture: building the components' token caches before training")
+        return False
     if cfg.data.packing != "concat":
         log.warning("data.shuffle: era trains while the token cache builds with data.packing: concat only "
                     "(%s rows are derived from the whole cache): building the cache first", cfg.data.packing)
@@ -222,14 +232,18 @@ class _BackgroundCache:
 
 def open_datasets(cfg: RunConfig, cache: StageResult):
     """(train dataset, {validation set: dataset}, tokenizer dir, vocab size) of a complete token
-    cache, packed as ``cfg`` says."""
+    cache, packed as ``cfg`` says. A mixture's: {component: train dataset} and its components'
+    validation sets as ``<component>/<set>``."""
     from lm_pipeline.data.loader import open_dataset
     from lm_pipeline.data.tokenizer import tokenizer_info
 
     seq_len, packing = cfg.model.seq_len, cfg.data.packing
     splits = cache.manifest.get("summary", {}).get("splits") or {}
-    train = open_dataset(f"{cache.path}/train", seq_len, packing)
-    evals = {name: open_dataset(f"{cache.path}/{name}", seq_len, packing) for name in splits if name != "train"}
+    if mixture.component_caches(cache) is not None:
+        train, evals = mixture.open_component_datasets(cfg, cache)
+    else:
+        train = open_dataset(f"{cache.path}/train", seq_len, packing)
+        evals = {name: open_dataset(f"{cache.path}/{name}", seq_len, packing) for name in splits if name != "train"}
     tok_dir = cache.manifest["tokenizer_path"]
     return train, evals, tok_dir, tokenizer_info(tok_dir).vocab_size
 
@@ -343,7 +357,7 @@ def eval_report(ctx: BuildContext, inputs: Inputs, checkpoint: str | None = None
         t0 = time.perf_counter()
         df = evaluate_checkpoint(ckpt, evals, batch_size=ev.batch_size, max_eval_batches=ev.max_eval_batches,
                                  compute_dtype=ev.compute_dtype,
-                                 train_cache=f"{cache.path}/train" if ev.unigram_baseline else None)
+                                 train_cache=mixture.train_caches(cache) if ev.unigram_baseline else None)
         files = write_report(df, path)
         rows = json.loads(df.to_json(orient="records", double_precision=15))
         micro = next((r for r in rows if r.get("kind") == "micro"), {})

@@ -25,7 +25,7 @@ from typing import Any
 from lm_pipeline.config import RunConfig
 from lm_pipeline.fingerprint import fingerprint, semantic_view
 from lm_pipeline.schema import ConfigError
-from lm_pipeline.steps import artifact, fanout
+from lm_pipeline.steps import artifact, fanout, mixture
 from lm_pipeline.steps.artifact import Writer
 from lm_pipeline.steps.plan import plan as _plan
 from lm_pipeline.steps.plan import plan_text as _plan_text
@@ -59,6 +59,7 @@ class _Memo:
         self.shards: dict[str, list] | None = None
         self.addresses: dict[tuple[str, Any], Address] = {}
         self.versions: dict[str, str] = {}
+        self.components: dict[str, Pipeline] | None = None
 
 
 class Pipeline:
@@ -223,17 +224,24 @@ class Pipeline:
             from lm_pipeline.data.sources import resolve_shards, validation_sets
 
             data = self.cfg.data
+            if data.configs:  # a mixture: each component's splits (lm_pipeline.steps.mixture)
+                self._memo.shards = mixture.shards(self)
+                return self._memo.shards
             if not data.train_sources():
-                if getattr(data, "configs", None):
-                    raise ConfigError("data.configs", "the pipeline does not train on a data mixture yet (the "
-                                      "mixture is validated, its components are not cached or sampled); train on "
-                                      "one source: data.train_urls, data.hf_id or data.builtin")
                 raise ConfigError("data", "no training data: set data.train_urls, data.hf_id or data.builtin")
             root = self.builtin_root if data.builtin else None
             out = {"train": resolve_shards(data, "train", builtin_root=root)}
             out.update(validation_sets(data, builtin_root=root))
             self._memo.shards = out
         return self._memo.shards
+
+    def components(self) -> dict[str, Pipeline]:
+        """A data mixture's components, each a pipeline of its own data (its raw shards and token
+        cache, the mixture's tokenizer), by name in ``data.configs`` order; empty without a
+        mixture (:mod:`lm_pipeline.steps.mixture`)."""
+        if self._memo.components is None:
+            self._memo.components = mixture.component_pipelines(self)
+        return self._memo.components
 
     # ---------------------------------------------------------------- addressing
 

@@ -30,25 +30,34 @@ def diff_fields(old: Any, new: Any) -> list[str]:
     return lines
 
 
+def _row(pipe: Pipeline, name: str, label: str) -> dict[str, Any]:
+    addr = pipe.address(name)
+    hit = pipe.store.is_complete(name, addr.fingerprint)
+    row: dict[str, Any] = {"stage": label, "fingerprint": addr.fingerprint, "hit": hit, "changes": []}
+    if not hit:
+        previous = pipe.store.complete(name)
+        if previous:
+            last = previous[-1]
+            row["compared_with"] = last["fingerprint"]
+            row["changes"] = diff_fields({"config": last.get("config"), "inputs": last.get("inputs"),
+                                          "code_version": last.get("code_version")},
+                                         {"config": addr.config, "inputs": addr.inputs,
+                                          "code_version": addr.code_version})
+        else:
+            row["changes"] = ["no earlier artifact of this stage"]
+    return row
+
+
 def plan(pipe: Pipeline) -> list[dict[str, Any]]:
-    """Per stage of the table: ``{stage, fingerprint, hit, changes[, compared_with]}``."""
+    """Per stage of the table: ``{stage, fingerprint, hit, changes[, compared_with]}``; a data
+    mixture's components' ``raw_shards`` and ``token_cache`` before its own token cache, as
+    ``<stage>[<component>]``."""
     rows = []
     for name in pipe.stages:
-        addr = pipe.address(name)
-        hit = pipe.store.is_complete(name, addr.fingerprint)
-        row: dict[str, Any] = {"stage": name, "fingerprint": addr.fingerprint, "hit": hit, "changes": []}
-        if not hit:
-            previous = pipe.store.complete(name)
-            if previous:
-                last = previous[-1]
-                row["compared_with"] = last["fingerprint"]
-                row["changes"] = diff_fields({"config": last.get("config"), "inputs": last.get("inputs"),
-                                              "code_version": last.get("code_version")},
-                                             {"config": addr.config, "inputs": addr.inputs,
-                                              "code_version": addr.code_version})
-            else:
-                row["changes"] = ["no earlier artifact of this stage"]
-        rows.append(row)
+        if name == "token_cache":
+            rows += [_row(sub, own, f"{own}[{comp}]") for comp, sub in pipe.components().items()
+                     for own in ("raw_shards", "token_cache")]
+        rows.append(_row(pipe, name, name))
     return rows
 
 

@@ -84,6 +84,10 @@ class BuildContext:
         """The data: shards per split ('train' and each validation set)."""
         return self._pipe.shards()
 
+    def components(self) -> dict[str, Pipeline]:
+        """A data mixture's components, each a pipeline of its own data (:meth:`Pipeline.components`)."""
+        return self._pipe.components()
+
     def address(self, step: int | None = None) -> Address:
         """This stage's address (its fingerprint and what went into it)."""
         return self._pipe.address(self.stage.name, step)

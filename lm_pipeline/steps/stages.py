@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from lm_pipeline import fs
 from lm_pipeline.fingerprint import semantic_view
-from lm_pipeline.steps import builders, shown
+from lm_pipeline.steps import builders, mixture, shown
 from lm_pipeline.steps.stage import Stage
 from lm_pipeline.train.run_identity import run_semantics, start_weights
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 def _raw_shards_config(pipe: Pipeline) -> Any:
     view = semantic_view(pipe.cfg.data)
     view.pop("tokenizer", None)  # the tokenizer's own stage
-    for name in ("packing", "shuffle", "era_length"):  # train_ckpt's: the row order never re-reads the shards
+    for name in ("packing", "shuffle", "era_length", *mixture.DRAW_FIELDS):  # train_ckpt's: the row order never re-reads the shards
         view.pop(name, None)
     return view
 
@@ -72,7 +72,7 @@ def _tokenizer_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
 
 
 def _train_config(pipe: Pipeline) -> Any:
-    return {**run_semantics(pipe.cfg), "packing": pipe.cfg.data.packing}
+    return {**run_semantics(pipe.cfg), "packing": pipe.cfg.data.packing, **mixture.run_semantics(pipe.cfg)}
 
 
 def _train_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
@@ -92,7 +92,7 @@ STAGES: tuple[Stage, ...] = (
           input_stages=_tokenizer_input_stages, sources=_tokenizer_sources, kind="python", metadata=shown.tokenizer,
           description="The byte-level BPE trained on the training shards (or the configured HF tokenizer)."),
     Stage("token_cache", 1, ("raw_shards", "tokenizer"), lambda pipe: {}, builders.token_cache,
-          kind="tensorstore", command=("cache", "build the raw shards, tokenizer and token cache only"),
+          sources=mixture.cache_sources, kind="tensorstore", command=("cache", "build the raw shards, tokenizer and token cache only"),
           metadata=shown.token_cache, description="Every split tokenized into a TensorStore token cache."),
     Stage("train_ckpt", 1, ("token_cache",), _train_config, builders.train_ckpt, kind="jax", sources=_train_sources,
           command=("train", "train a model (builds the tokenizer and token cache first if needed)"),

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from lm_pipeline.batch import SequenceDataset, StepBatchSource
 from lm_pipeline.config import RunConfig, dump_config
 from lm_pipeline.data.loader import Prefetcher
+from lm_pipeline.data.mixture import MixtureBatchSource, mixture_num_steps, mixture_source
 from lm_pipeline.estimate import resolve_auto_parallelism
 from lm_pipeline.faultpoints import faultpoint
 from lm_pipeline.fingerprint import fingerprint
@@ -92,7 +93,7 @@ class _Run:
     num_steps: int
     run_id: str
     run_dir: str
-    source: StepBatchSource
+    source: StepBatchSource | MixtureBatchSource
     fns: StepFunctions
     checkpointer: Checkpointer
     vocab_size: int = 0  # the model's embedding rows (the tokenizer's, or a Hugging Face start's padded ones)
@@ -105,7 +106,7 @@ class _Run:
 def train(
     cfg: RunConfig,
     *,
-    train_data: SequenceDataset,
+    train_data: SequenceDataset | Mapping[str, SequenceDataset],
     vocab_size: int,
     eval_data: Mapping[str, SequenceDataset] | None = None,
     eval_bytes_per_token: Mapping[str, float] | None = None,
@@ -118,7 +119,8 @@ def train(
     """Train ``cfg.model`` on ``train_data``; resume automatically from the run's checkpoints.
 
     Args:
-        train_data: packed training sequences (the token cache's layout, or any SequenceDataset).
+        train_data: packed training sequences (the token cache's layout, or any SequenceDataset);
+            or a mixture's components by name, mixed as ``cfg.data`` says (:func:`mixture_source`).
         vocab_size: the tokenizer's vocabulary size (a run that starts from a Hugging Face model
             whose embedding has more rows, a padded vocabulary, keeps that model's rows).
         eval_data: named validation sets, evaluated every ``trainer.steps_per_eval`` steps.
@@ -173,25 +175,29 @@ def train(
     return _finish(run, result, state, meter, tracker)
 
 
-def _prepare(cfg: RunConfig, train_data: SequenceDataset, vocab_size: int, data_fingerprint: str | None,
-             run_id: str | None, run_dir: str | None) -> _Run:
+def _prepare(cfg: RunConfig, train_data: SequenceDataset | Mapping[str, SequenceDataset], vocab_size: int,
+             data_fingerprint: str | None, run_id: str | None, run_dir: str | None) -> _Run:
     """Mesh, step count, run id and directory, batch source, step functions, checkpointer."""
     tc = cfg.trainer
     initialize_distributed(tc.distributed)
     plan = make_mesh(tc)
     seq_len = cfg.model.seq_len
-    if train_data.seq_len != seq_len:
-        raise ConfigError("model.seq_len", f"is {seq_len} but the training data is packed to {train_data.seq_len}")
-    num_steps = tc.resolve_num_steps(_num_rows(train_data, cfg), seq_len)
+    if isinstance(train_data, Mapping):  # a mixture's components (lm_pipeline.data.mixture)
+        source = mixture_source(cfg.data, train_data, tc.train_batch_size, tc.seed)
+        num_steps = mixture_num_steps(source, tc, seq_len)
+    else:
+        source = StepBatchSource(train_data, tc.train_batch_size, tc.seed,
+                                 process_index=jax.process_index(), process_count=jax.process_count(),
+                                 shuffle=cfg.data.shuffle, era_length=cfg.data.era_length)
+        num_steps = tc.resolve_num_steps(_num_rows(train_data, cfg), seq_len)
+    if source.seq_len != seq_len:
+        raise ConfigError("model.seq_len", f"is {seq_len} but the training data is packed to {source.seq_len}")
     run_id = run_id or run_id_for(cfg, data_fingerprint)
     run_dir = run_dir or f"{(tc.checkpointer.base_path or 'checkpoints').rstrip('/')}/{run_id}"
     setup_logging(tc.log_dir, run_id)
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every internal step at INFO
     log.info("run %s: %d steps, batch %d x %d tokens, %d devices (data %d x model %d)",
              run_id, num_steps, tc.train_batch_size, seq_len, jax.device_count(), plan.data_size, plan.model_size)
-    source = StepBatchSource(train_data, tc.train_batch_size, tc.seed,
-                             process_index=jax.process_index(), process_count=jax.process_count(),
-                             shuffle=cfg.data.shuffle, era_length=cfg.data.era_length)
     has_segments = source.batch(0).segment_ids is not None
     vocab_size = model_vocab_size(cfg, vocab_size)  # a Hugging Face start keeps its padded vocabulary
     if tc.per_device_parallelism == "auto":

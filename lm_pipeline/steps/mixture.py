@@ -1,0 +1,187 @@
+"""A data mixture in the pipeline: one token cache per component, an index over them.
+
+Each component of ``data.configs`` is its own experiment's data: a :class:`Pipeline` over the
+config with the data section's shared fields (tokenizer, packing, ...) and that component's source
+fields (:func:`component_config`). Its ``raw_shards`` and ``token_cache`` are addressed like any
+experiment's (its source config, its shards' content hashes, the tokenizer's fingerprint, the code
+versions), so two experiments that mix the same source build its cache once, a single-source
+experiment over that source shares it too, and editing one source rebuilds that source's cache
+only. The component's ``tokenizer`` is the mixture's own (:func:`_borrowed_tokenizer`): a given
+tokenizer (a local ``tokenizer.json`` or a hub name) does not depend on the data; a BPE trained here
+is trained on the union of the components' training text, so editing any source retrains it.
+
+The mixture's own stages are indexes: ``raw_shards`` lists the components' shards (splits named
+``<component>/<split>``), ``token_cache`` the components' caches (its fingerprint covers theirs,
+:func:`cache_sources`); training reads each component's rows through
+:func:`lm_pipeline.data.mixture.mixture_source`, evaluation each component's validation sets as
+``<component>/<set>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from lm_pipeline.fingerprint import semantic_view
+from lm_pipeline.schema import ConfigError
+
+if TYPE_CHECKING:
+    from lm_pipeline.config import RunConfig
+    from lm_pipeline.steps.pipeline import Pipeline
+    from lm_pipeline.steps.result import StageResult
+    from lm_pipeline.steps.stage import BuildContext, Inputs, Stage
+
+#: The stages each component has of its own (the rest are the mixture's).
+COMPONENT_STAGES = ("raw_shards", "tokenizer", "token_cache")
+
+#: Fields of the data section that decide how the mixture draws rows (the run's, not the caches').
+DRAW_FIELDS = ("train_weights", "stop_strategy", "mixture_block_size")
+
+
+def is_mixture(cfg: RunConfig) -> bool:
+    return bool(getattr(cfg.data, "configs", None))
+
+
+def component_config(cfg: RunConfig, name: str) -> RunConfig:
+    """``cfg`` with the data section of component ``name``: its source fields, the section's
+    shared ones, no mixture; its caches in its own ``cache_dir``, else the section's."""
+    from lm_pipeline.data.config import DataConfig, SourceConfig
+
+    comp = cfg.data.configs[name]
+    source = {f.name: getattr(comp, f.name) for f in dataclasses.fields(SourceConfig)}
+    source["cache_dir"] = comp.cache_dir or cfg.data.cache_dir
+    defaults = {f.name: f.default for f in dataclasses.fields(DataConfig) if f.name in DRAW_FIELDS and f.name != "train_weights"}
+    data = dataclasses.replace(cfg.data, **source, configs={}, train_weights={}, **defaults)
+    return dataclasses.replace(cfg, data=data)
+
+
+def _borrowed_tokenizer(parent: Pipeline) -> Stage:
+    """The mixture's ``tokenizer`` as a component pipeline's: the same address (config, code
+    version, inputs), built by the mixture."""
+    own = parent.stage("tokenizer")
+
+    def sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
+        if content:
+            return dict(parent.address("tokenizer").inputs)
+        ups = {up: parent.config_version(up) for up in parent.input_stages("tokenizer")}
+        return {**ups, **(own.sources(parent, False) if own.sources is not None else {})}
+
+    return dataclasses.replace(own, config=lambda pipe: parent.stage_config("tokenizer"), input_stages=lambda pipe: (),
+                               sources=sources, build=lambda ctx, inputs, **options: parent.build("tokenizer"))
+
+
+def component_pipelines(parent: Pipeline) -> dict[str, Pipeline]:
+    """A pipeline per component of ``parent``'s mixture, in ``configs`` order (none without one)."""
+    from lm_pipeline.steps.pipeline import Pipeline
+
+    if not is_mixture(parent.cfg):
+        return {}
+    stages = tuple(_borrowed_tokenizer(parent) if name == "tokenizer" else parent.stage(name)
+                   for name in COMPONENT_STAGES)
+    return {name: Pipeline(component_config(parent.cfg, name), parent.store, progress=parent.progress, stages=stages)
+            for name in parent.cfg.data.configs}
+
+
+def shards(parent: Pipeline) -> dict[str, list]:
+    """The mixture's shards: each component's splits as ``<component>/<split>``."""
+    out: dict[str, list] = {}
+    for name, sub in parent.components().items():
+        if not sub.cfg.data.train_sources():
+            raise ConfigError(f"data.configs.{name}", "has no training data; every component of a mixture is "
+                              "trained on: give it train_urls, id (hf_id) or builtin, or move its validation "
+                              "sets under another component's validation")
+        out.update({f"{name}/{split}": found for split, found in sub.shards().items()})
+    return out
+
+
+def training_shards(all_shards: dict[str, list]) -> list:
+    """The training shards of a data section's splits: ``train``, or a mixture's
+    ``<component>/train`` in ``configs`` order."""
+    if "train" in all_shards:
+        return all_shards["train"]
+    return [s for split, found in all_shards.items() if split.endswith("/train") for s in found]
+
+
+def cache_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
+    """The mixture's ``token_cache`` inputs besides its upstream stages: each component cache's
+    fingerprint (with ``content=False``, its config version). None without a mixture."""
+    return {f"components/{name}": sub.address("token_cache").fingerprint if content else sub.config_version("token_cache")
+            for name, sub in pipe.components().items()}
+
+
+def run_semantics(cfg: RunConfig) -> dict[str, Any]:
+    """What a mixture adds to the run's semantic config: the components in order (the blocks'
+    layout follows it) and the draw fields set. Empty without a mixture."""
+    if not is_mixture(cfg):
+        return {}
+    view = semantic_view(cfg.data)
+    return {"mixture": {"components": list(cfg.data.configs), **{k: view[k] for k in DRAW_FIELDS if k in view}}}
+
+
+# -- builders ---------------------------------------------------------------------------------------
+
+
+def raw_shards(ctx: BuildContext, inputs: Inputs) -> StageResult:
+    """Each component's ``raw_shards`` (built or a hit), indexed: splits ``<component>/<split>``."""
+    built = {name: sub.raw_shards() for name, sub in ctx.components().items()}
+
+    def write(path: str):
+        splits = {f"{name}/{split}": rows for name, res in built.items()
+                  for split, rows in (res.manifest.get("shards") or {}).items()}
+        summary: dict[str, Any] = {k: sum(int(r.manifest["summary"].get(k) or 0) for r in built.values())
+                                   for k in ("num_shards", "records", "valid", "skipped")}
+        summary["splits"] = sorted(splits)
+        return summary, {"shards": splits, "components": _index(built)}
+
+    return ctx.run(write)
+
+
+def token_cache(ctx: BuildContext, inputs: Inputs) -> StageResult:
+    """Each component's ``token_cache`` (built or a hit), indexed."""
+    tok = inputs["tokenizer"]
+    built = {name: sub.token_cache() for name, sub in ctx.components().items()}
+
+    def write(path: str):
+        splits = {f"{name}/{split}": counts for name, res in built.items()
+                  for split, counts in (res.manifest["summary"].get("splits") or {}).items()}
+        train = sum(int(res.manifest["summary"].get("train_tokens") or 0) for res in built.values())
+        return {"splits": splits, "train_tokens": train}, {"tokenizer_path": tok.path, "built_by": "components",
+                                                            "components": _index(built)}
+
+    return ctx.run(write)
+
+
+def _index(built: dict[str, StageResult]) -> dict[str, dict[str, Any]]:
+    return {name: {"fingerprint": res.fingerprint, "path": res.path, "hit": res.hit} for name, res in built.items()}
+
+
+# -- reading ----------------------------------------------------------------------------------------
+
+
+def component_caches(cache: StageResult) -> dict[str, str] | None:
+    """{component: its token cache's path} of a mixture's ``token_cache`` index; None for a cache
+    of one source."""
+    comps = cache.manifest.get("components")
+    return None if comps is None else {name: c["path"] for name, c in comps.items()}
+
+
+def train_caches(cache: StageResult) -> list[str]:
+    """The training caches of a ``token_cache`` artifact: its own, or each component's."""
+    comps = component_caches(cache)
+    return [f"{cache.path}/train"] if comps is None else [f"{path}/train" for path in comps.values()]
+
+
+def open_component_datasets(cfg: RunConfig, cache: StageResult):
+    """({component: train dataset}, {'<component>/<set>': dataset}) of a mixture's ``token_cache``."""
+    from lm_pipeline.data.loader import open_dataset
+
+    seq_len, packing = cfg.model.seq_len, cfg.data.packing
+    train, evals = {}, {}
+    for split in cache.manifest["summary"].get("splits") or {}:
+        name, _, own = split.partition("/")
+        ds = open_dataset(f"{cache.manifest['components'][name]['path']}/{own}", seq_len, packing)
+        if own == "train":
+            train[name] = ds
+        else:
+            evals[split] = ds
+    return train, evals
