@@ -22,10 +22,10 @@ log = logging.getLogger(__name__)
 
 def micro_batch_candidates(train_batch_size: int, data_size: int) -> list[int]:
     """Per-device micro-batches ``m`` the trainer accepts: ``m * data_size`` divides the batch."""
-    if train_batch_size % data_size:
-        return []
-    per_device = train_batch_size // data_size
-    return [m for m in range(1, per_device + 1) if per_device % m == 0]
+    from lm_pipeline.train.batch_split import batch_split_problem
+
+    return [m for m in range(1, train_batch_size // data_size + 1)
+            if batch_split_problem(train_batch_size, per_device=m, data_size=data_size) is None]
 
 
 def auto_micro_batch(
@@ -46,10 +46,10 @@ def auto_micro_batch(
     data_size = num_devices // cfg.trainer.model_axis_size
     candidates = micro_batch_candidates(cfg.trainer.train_batch_size, data_size)
     if not candidates:
-        raise ConfigError(
-            "trainer.train_batch_size",
-            f"{cfg.trainer.train_batch_size} is not divisible by the {data_size} data-parallel devices",
-        )
+        from lm_pipeline.train.batch_split import batch_split_problem
+
+        where, why = batch_split_problem(cfg.trainer.train_batch_size, data_size=data_size) or ("train_batch_size", "")
+        raise ConfigError(f"trainer.{where}", why)
     smallest = None
     for m in reversed(candidates):
         est = estimate(cfg, num_devices=num_devices, vocab_size=vocab_size, micro_batch_per_device=m,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lm_pipeline.schema import ConfigError, field
+from lm_pipeline.train.batch_split import batch_split_problem
 from lm_pipeline.train.checkpoint import CheckpointerConfig
 from lm_pipeline.train.trackers import TrackerConfig
 
@@ -254,11 +255,11 @@ class TrainerConfig:
         if self.device_memory_gib is not None and not self.device_memory_gib > 0:
             raise ConfigError("device_memory_gib", f"must be > 0 or null, got {self.device_memory_gib}")
         self._validate_accumulation()
-        if isinstance(self.per_device_parallelism, int) and self.per_device_parallelism > 0 and self.train_batch_size % self.per_device_parallelism:
-            raise ConfigError(
-                "train_batch_size",
-                f"{self.train_batch_size} is not divisible by per_device_parallelism={self.per_device_parallelism}",
-            )
+        per = self.per_device_parallelism
+        problem = batch_split_problem(self.train_batch_size, per_device=per if isinstance(per, int) else None,
+                                      accumulation=self.gradient_accumulation_steps)
+        if problem:
+            raise ConfigError(*problem)
         try:
             parse_mp_names(self.mp)
         except ConfigError as e:
@@ -276,17 +277,9 @@ class TrainerConfig:
             return
         if gas < 1:
             raise ConfigError("gradient_accumulation_steps", f"must be >= 1 (or null), got {gas}")
-        if self.train_batch_size % gas:
-            raise ConfigError("gradient_accumulation_steps", f"{gas} does not divide train_batch_size "
-                              f"({self.train_batch_size}, the global batch); e.g. train_batch_size "
-                              f"{max(gas, self.train_batch_size // gas * gas)} or {self.train_batch_size // gas * gas + gas}")
         if per == "auto":
             raise ConfigError("gradient_accumulation_steps", "give gradient_accumulation_steps or "
                               "per_device_parallelism: auto, not both (auto chooses the accumulation)")
-        if isinstance(per, int) and per > 0 and self.train_batch_size % (per * gas):
-            raise ConfigError("gradient_accumulation_steps", f"train_batch_size ({self.train_batch_size}) must be "
-                              f"per_device_parallelism ({per}) x gradient_accumulation_steps ({gas}) x data-parallel "
-                              f"devices, but {per * gas} does not divide it")
 
     @property
     def precision(self) -> Precision:
@@ -314,36 +307,23 @@ class TrainerConfig:
 
     def micro_batching(self, data_size: int, per_device: int | None = None) -> tuple[int, int]:
         """(sequences per device per micro-batch, micro-batches accumulated per step) on
-        ``data_size`` data-parallel devices: the one place the batch's divisibility is checked.
+        ``data_size`` data-parallel devices (the split decided by
+        :func:`lm_pipeline.train.batch_split.batch_split_problem`).
 
         ``per_device``: the micro-batch per device; None or <= 0 = the whole batch at once.
         With ``gradient_accumulation_steps`` set, the micro-batch is ``train_batch_size /
         (gradient_accumulation_steps x data_size)`` and ``per_device``, when given, must equal it.
         """
         gas = self.gradient_accumulation_steps
+        problem = batch_split_problem(self.train_batch_size, per_device=per_device, accumulation=gas,
+                                      data_size=data_size)
+        if problem:
+            raise ConfigError(f"trainer.{problem[0]}", problem[1])
         if gas is not None:
-            rows = self.train_batch_size // gas
-            if self.train_batch_size % gas or rows % data_size:
-                raise ConfigError("trainer.gradient_accumulation_steps",
-                                  f"train_batch_size {self.train_batch_size} / gradient_accumulation_steps {gas} = "
-                                  f"{self.train_batch_size / gas:g} rows per micro-batch, not divisible by the "
-                                  f"{data_size} data-parallel devices; use train_batch_size = per-device batch x "
-                                  f"{data_size} x {gas}")
-            if per_device is not None and per_device > 0 and per_device != rows // data_size:
-                raise ConfigError("trainer.gradient_accumulation_steps",
-                                  f"{gas} micro-batches of {rows} rows over {data_size} data-parallel devices are "
-                                  f"{rows // data_size} per device, but per_device_parallelism is {per_device}; drop "
-                                  f"one of them or set train_batch_size = {per_device} x {data_size} x {gas} = "
-                                  f"{per_device * data_size * gas}")
-            return rows // data_size, gas
+            return self.train_batch_size // gas // data_size, gas
         whole = per_device is None or per_device <= 0
-        micro = self.train_batch_size // data_size if whole else per_device
-        rows = max(1, micro) * data_size
-        if self.train_batch_size % rows or self.train_batch_size < data_size:
-            hint = (f"the {data_size} data-parallel devices; use a multiple of {data_size}" if whole else
-                    f"per_device_parallelism ({per_device}) x data-parallel devices ({data_size}) = {rows}")
-            raise ConfigError("trainer.train_batch_size", f"{self.train_batch_size} is not divisible by {hint}")
-        return max(1, micro), self.train_batch_size // rows
+        micro = max(1, self.train_batch_size // data_size if whole else per_device)
+        return micro, self.train_batch_size // (micro * data_size)
 
     def resolve_num_steps(self, num_sequences: int | None, seq_len: int) -> int:
         """Optimizer steps for this run, converting epochs / token budgets with the data size:
