@@ -43,8 +43,13 @@ def is_hf_model_dir(path: str | os.PathLike) -> bool:
             and any(n.endswith(".safetensors") for n in names))
 
 
+def _local_dir(source: str) -> str | None:
+    """The absolute path of ``source`` when it is a directory on this machine, else None (a hub id)."""
+    return fs.local_path(source) if fs.is_local_dir(source) else None
+
+
 def _split(source: str) -> tuple[str, str | None]:
-    if os.path.isdir(source):
+    if fs.is_local_dir(source):
         return source, None
     if "@" in source:
         repo, rev = source.rsplit("@", 1)
@@ -55,8 +60,9 @@ def _split(source: str) -> tuple[str, str | None]:
 def read_hf_config_json(source: str) -> dict[str, Any]:
     """The ``config.json`` of a local directory or a hub repo (``org/name[@revision]``; needs
     the network, or the repo in the local Hugging Face cache)."""
-    if os.path.isdir(source):
-        path = os.path.join(source, "config.json")
+    local = _local_dir(source)
+    if local is not None:
+        path = os.path.join(local, "config.json")
         if not os.path.isfile(path):
             raise ConfigError("initialize_from_hf", f"{source} has no config.json: not a Hugging Face model directory")
     else:
@@ -104,17 +110,18 @@ def hf_weights_identity(source: str) -> str:
 
     from lm_pipeline.fingerprint import sha256_file
 
-    if os.path.isdir(source):
-        files = sorted(n for n in os.listdir(source) if n.endswith(".safetensors"))
+    local = _local_dir(source)
+    if local is not None:
+        files = sorted(n for n in os.listdir(local) if n.endswith(".safetensors"))
         if not files:
             raise ConfigError("initialize_from_hf", f"{source} holds no *.safetensors weights")
-        stats = tuple((n, os.stat(os.path.join(source, n)).st_size, os.stat(os.path.join(source, n)).st_mtime_ns)
+        stats = tuple((n, os.stat(os.path.join(local, n)).st_size, os.stat(os.path.join(local, n)).st_mtime_ns)
                       for n in files)
-        key = (os.path.realpath(source), stats)
+        key = (os.path.realpath(local), stats)
         if key not in _IDENTITY_CACHE:
             h = hashlib.sha256()
             for n in files:
-                h.update(f"{n}\0{sha256_file(os.path.join(source, n))}\n".encode())
+                h.update(f"{n}\0{sha256_file(os.path.join(local, n))}\n".encode())
             _IDENTITY_CACHE[key] = "sha256:" + h.hexdigest()
         return _IDENTITY_CACHE[key]
     repo, rev = _split(source)
