@@ -184,7 +184,8 @@ def _eval(cfg, ckpt: str, output_dir: str | None, harness=None, manager=None, ta
     if harness is not None:
         from lm_pipeline.eval.tasks import evaluate_tasks, results_table
 
-        results, files = evaluate_tasks(ckpt, harness, out, manager=manager, compute_dtype=cfg.eval.compute_dtype)
+        results, files = evaluate_tasks(ckpt, harness, out, manager=manager, compute_dtype=cfg.eval.compute_dtype,
+                                        store_root=cfg.store.root)
         print(results_table(results))
         print(json.dumps(files))
     return 0

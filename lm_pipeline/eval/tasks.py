@@ -156,19 +156,28 @@ def harness_config(section: EvalHarnessConfig | None, tasks: str | None) -> Eval
 
 def prepare_tasks(cfg: EvalHarnessConfig) -> TaskManager:
     """The task index with every task of ``cfg`` checked (before any model is loaded)."""
+    if cfg.apply_chat_template:
+        raise ConfigError("eval_harness.apply_chat_template", "is not supported here (the run's tokenizer.json "
+                          "carries no chat template); set it to false")
     manager = task_manager(cfg)
     check_tasks(cfg, manager)
     return manager
 
 
 def evaluate_tasks(checkpoint: str, cfg: EvalHarnessConfig, output_dir: str, *, manager: TaskManager | None = None,
-                   compute_dtype: Any = None, log_samples: bool | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+                   compute_dtype: Any = None, log_samples: bool | None = None,
+                   store_root: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Run ``cfg``'s tasks on a checkpoint or Hugging Face directory and write the results to
     ``output_dir``; (the harness's results, the files written). The task names are checked
-    before the model is loaded."""
+    before the model is loaded; ``store_root``: keep compiled programs in the store's XLA cache
+    (as evaluation does)."""
     from lm_pipeline.eval.harness import load_harness_lm
 
     manager = manager or prepare_tasks(cfg)
+    if store_root is not None:
+        from lm_pipeline.xla_cache import enable as enable_xla_cache
+
+        enable_xla_cache(store_root)
     lm = load_harness_lm(checkpoint, dtype=compute_dtype, max_length=cfg.max_eval_length,
                          batch_size=cfg.batch_size, add_bos_token=cfg.add_bos_token)
     results = run_tasks(lm, cfg, manager, log_samples=log_samples)

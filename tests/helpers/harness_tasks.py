@@ -12,6 +12,15 @@ from pathlib import Path
 
 WORDS = ["alpha", "beta", "gamma", "delta", "naïve", "café", "foo_bar", "42", "x", "the", "quick", "fox"]
 
+MULTIPLE_CHOICE_METRICS = """metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
+
 #: task name -> the YAML body (data files are added by :func:`write_tasks`).
 TASKS = {
     "tiny_hellaswag": """
@@ -19,28 +28,14 @@ output_type: multiple_choice
 doc_to_text: "{{query}}"
 doc_to_target: "{{label}}"
 doc_to_choice: "choices"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-""",
+""" + MULTIPLE_CHOICE_METRICS,
     "tiny_arc": """
 output_type: multiple_choice
 doc_to_text: "Question: {{question}}\\nAnswer:"
 doc_to_target: "{{choices.label.index(answerKey)}}"
 doc_to_choice: "{{choices.text}}"
 fewshot_split: train
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-""",
+""" + MULTIPLE_CHOICE_METRICS,
     "tiny_lambada": """
 output_type: loglikelihood
 doc_to_text: "{{text.split(' ')[:-1]|join(' ')}}"
