@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from lm_pipeline.data.encode import Shard, TokenizerInfo
     from lm_pipeline.data.loader import CacheDataset
     from lm_pipeline.steps import Pipeline
+    from lm_pipeline.steps.mixture import training_splits
 
 __all__ = ["EVAL_CACHE_STAGE", "EvalData", "eval_cache_fingerprint", "eval_datasets"]
 
@@ -202,8 +203,9 @@ def eval_datasets(cfg: RunConfig, tokenizer_dir: str, *, seq_len: int, train: bo
         locations: dict[str, str] = {}
         reused: dict[str, str] = {}
         built: list[str] = []
+        training = training_splits(shards)  # 'train', or a mixture's '<component>/train'
         for name, split in shards.items():
-            if name == "train":
+            if name in training:
                 continue
             plan = shard_plan(split)
             hit = finder.find(plan)
@@ -215,7 +217,9 @@ def eval_datasets(cfg: RunConfig, tokenizer_dir: str, *, seq_len: int, train: bo
                 built.append(name)
         train_cache = None
         if train:
-            hit = finder.find(shard_plan(shards["train"]), eval_caches=False)
+            hits = [finder.find(shard_plan(shards[name]), eval_caches=False) for name in training]
+            hit = None if None in hits else (hits[0][0] if len(hits) == 1 else [h[0] for h in hits],
+                                             ", ".join(h[1] for h in hits))
             if hit is None:
                 log.warning("eval: no token cache of the training data with the checkpoint's tokenizer (%s…) in %s: "
                             "the unigram baseline is left out (the training data is not tokenized for an evaluation; "

@@ -94,12 +94,15 @@ def shards(parent: Pipeline) -> dict[str, list]:
     return out
 
 
-def training_shards(all_shards: dict[str, list]) -> list:
-    """The training shards of a data section's splits: ``train``, or a mixture's
+def training_splits(all_shards: dict[str, list]) -> list[str]:
+    """The training splits among a data section's splits: ``train``, or a mixture's
     ``<component>/train`` in ``configs`` order."""
-    if "train" in all_shards:
-        return all_shards["train"]
-    return [s for split, found in all_shards.items() if split.endswith("/train") for s in found]
+    return ["train"] if "train" in all_shards else [split for split in all_shards if split.endswith("/train")]
+
+
+def training_shards(all_shards: dict[str, list]) -> list:
+    """The training shards of a data section's splits (of :func:`training_splits`)."""
+    return [s for split in training_splits(all_shards) for s in all_shards[split]]
 
 
 def cache_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:

@@ -1,0 +1,217 @@
+"""Data mixtures through the pipeline: one token cache per component, shared and rebuilt alone;
+a mixed run that resumes bitwise.
+
+References: a single-source experiment over a component's files (the pipeline's ordinary token
+cache, whose address and bytes a component's cache must have), the tokenizer run by
+``tokenizers`` itself over the component's records, and an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+import yaml
+from helpers import pipeline as pt
+
+from lm_pipeline.batch import ArrayDataset
+from lm_pipeline.config import load_config
+from lm_pipeline.data.cache import open_cache
+from lm_pipeline.data.config import TokenizerConfig
+from lm_pipeline.data.sources import iter_shard_texts
+from lm_pipeline.faultpoints import FaultInjected
+from lm_pipeline.steps import Pipeline
+from lm_pipeline.train.checkpoint import latest_checkpoint, load
+from lm_pipeline.train.run import train
+
+COMPONENTS = ("web", "code", "books")
+
+
+def given_tokenizer(tmp: Path) -> Path:
+    """A byte-level BPE trained once on other text: a tokenizer that does not depend on the data."""
+    from lm_pipeline.data.tokenizer import build_tokenizer
+
+    out = tmp / "tokenizer"
+    texts = [Path(__file__).read_text(encoding="utf-8")] * 2
+    build_tokenizer(TokenizerConfig(kind="bpe", vocab_size=300), str(out), iter(texts), progress=False)
+    return out
+
+
+def write_mixture(tmp: Path, weights, name: str = "mix.yaml", **data) -> Path:
+    """The tiny experiment with its corpus split into three sources: web (two shards and the
+    validation set), code and books (one shard each)."""
+    raw = pt.tiny_config(tmp)
+    d = raw["data"]
+    train_urls, val = d.pop("train_urls"), d.pop("validation_urls")
+    tok = tmp / "tokenizer"
+    if not tok.exists():
+        given_tokenizer(tmp)
+    d.update({"configs": {"web": {"train_urls": train_urls[:2], "validation_urls": val},
+                          "code": {"train_urls": [train_urls[2]]}, "books": {"train_urls": [train_urls[3]]}},
+              "train_weights": weights, "mixture_block_size": 8, "tokenizer": {"kind": "hf", "name_or_path": str(tok)},
+              **data})
+    path = tmp / name
+    path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def single_source(tmp: Path, mix: Path, component: str) -> Pipeline:
+    """The experiment that trains on one component's files alone, everything else the same."""
+    raw = yaml.safe_load(mix.read_text(encoding="utf-8"))
+    comp = raw["data"].pop("configs")[component]
+    for key in ("train_weights", "mixture_block_size"):
+        raw["data"].pop(key)
+    raw["data"].update(comp)
+    path = tmp / f"single-{component}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    return Pipeline(load_config(path), progress=False)
+
+
+def plan_status(pipe: Pipeline) -> dict[str, bool]:
+    return {row["stage"]: row["hit"] for row in pipe.plan()}
+
+
+def test_each_source_is_cached_once_shared_and_rebuilt_alone(tmp_path):
+    mix = write_mixture(tmp_path, {"web": 0.8, "code": 0.2})
+    pipe = Pipeline(load_config(mix), progress=False)
+    built = pipe.token_cache()
+    index = built.manifest["components"]
+    assert list(index) == list(COMPONENTS)
+
+    # each component's cache is the token cache a single-source experiment over its files has
+    for name in COMPONENTS:
+        alone = single_source(tmp_path, mix, name)
+        assert index[name]["fingerprint"] == alone.address("token_cache").fingerprint, name
+        assert plan_status(alone)["token_cache"], f"{name}: the single-source experiment's cache is a hit"
+
+    # and holds that source's records, tokenized by the tokenizer itself, each ending with EOS
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer" / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    books = pipe.components()["books"].shards()["train"]
+    expected = [t for text in iter_shard_texts(books) for t in [*tok.encode(text).ids, eos]]
+    cache = open_cache(f"{index['books']['path']}/train")
+    assert cache.read_tokens(0, cache.num_tokens).tolist() == expected
+
+    # another experiment mixing the same sources at other weights builds no cache
+    other = Pipeline(load_config(write_mixture(tmp_path, [[0, {"web": 1}], [2, {"code": 1, "books": 3}]],
+                                               "other.yaml")), progress=False)
+    status = plan_status(other)
+    assert all(status[f"{stage}[{c}]"] for c in COMPONENTS for stage in ("raw_shards", "token_cache"))
+    assert status["token_cache"] and not status["train_ckpt"]
+
+    # one source's file edited: its cache and the mixture's index rebuild, the others are hits
+    stamps = {n: (Path(index[n]["path"]) / "manifest.json").stat().st_mtime_ns for n in COMPONENTS}
+    books_file = Path(pipe.cfg.data.configs["books"].train_urls[0])
+    with books_file.open("a", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "def appended():\n    return 1\n"}) + "\n")
+    edited = Pipeline(load_config(mix), progress=False)
+    status = plan_status(edited)
+    assert {s for s, hit in status.items() if not hit} == {
+        "raw_shards", "raw_shards[books]", "token_cache[books]", "token_cache", "train_ckpt", "eval_report",
+        "hf_export"}
+    cli = subprocess.run([sys.executable, "-m", "lm_pipeline.cli", "plan", "--config_path", str(mix)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert cli.returncode == 0, cli.stderr
+    said = {line.split()[1]: line.split()[0] == "hit" for line in cli.stdout.splitlines()
+            if line.split() and line.split()[0] in ("hit", "MISS")}
+    assert said == status
+    rebuilt = edited.token_cache().manifest["components"]
+    assert [n for n in COMPONENTS if rebuilt[n]["fingerprint"] != index[n]["fingerprint"]] == ["books"]
+    assert [n for n in COMPONENTS if rebuilt[n]["hit"]] == ["web", "code"]
+    for name in ("web", "code"):
+        assert (Path(rebuilt[name]["path"]) / "manifest.json").stat().st_mtime_ns == stamps[name]
+
+
+def test_a_bpe_trained_here_is_trained_on_every_component(tmp_path):
+    mix = write_mixture(tmp_path, {"web": 1, "code": 1}, tokenizer={"kind": "bpe", "vocab_size": 300})
+    pipe = Pipeline(load_config(mix), progress=False)
+    assert set(pipe.address("tokenizer").inputs) == {"raw_shards"}  # the mixture's: every component's shards
+    books_file = Path(pipe.cfg.data.configs["books"].train_urls[0])  # weight 0, still in the tokenizer's text
+    fp = pipe.address("tokenizer").fingerprint
+    with books_file.open("a", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "x = 1\n"}) + "\n")
+    assert Pipeline(load_config(mix), progress=False).address("tokenizer").fingerprint != fp
+
+
+# --- training: resume --------------------------------------------------------------------------
+
+CFG = {
+    "model.type": "gpt2", "model.seq_len": 16, "model.hidden_dim": 16, "model.num_heads": 2, "model.num_layers": 2,
+    "model.gradient_checkpointing": False, "trainer.mp": "f32", "trainer.train_batch_size": 4,
+    "trainer.num_train_steps": 9, "trainer.progress": False, "trainer.steps_per_eval": 1000,
+    "trainer.checkpointer.keep": [{"every": 4}], "trainer.id": "mixed", "optimizer.learning_rate": 1e-2,
+    "optimizer.warmup": 0,
+    "data.configs": {"a": {"train_urls": ["a.jsonl"]}, "b": {"train_urls": ["b.jsonl"]}},
+    "data.train_weights": [[0, {"a": 3, "b": 1}], [5, {"a": 1, "b": 1}]], "data.mixture_block_size": 8,
+}
+
+
+class Recording(ArrayDataset):
+    def __init__(self, seed: int, rows: int):
+        super().__init__(np.random.default_rng(seed).integers(0, 50, rows * 16), 16)
+        self.reads: list[list[int]] = []
+
+    def get_many(self, indices):
+        self.reads.append([int(i) for i in indices])
+        return super().get_many(indices)
+
+
+def components() -> dict[str, Recording]:
+    return {"a": Recording(0, 13), "b": Recording(1, 7)}  # both wrap within 9 steps of 4 rows
+
+
+def params(state) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))]
+
+
+@pytest.mark.slow
+def test_an_interrupted_mixed_run_resumes_to_the_uninterrupted_parameters(tmp_path, monkeypatch):
+    cfg = load_config(None, CFG)
+    clean = train(cfg, train_data=components(), vocab_size=50, run_dir=str(tmp_path / "clean"))
+    assert clean.final_step == 9
+    run_dir = str(tmp_path / "cut")
+    monkeypatch.setenv("LM_PIPELINE_FAULTPOINT", "train.after_step:6:raise")  # past the phase change at 5
+    with pytest.raises(FaultInjected):
+        train(cfg, train_data=components(), vocab_size=50, run_dir=run_dir)
+    monkeypatch.delenv("LM_PIPELINE_FAULTPOINT")
+    assert latest_checkpoint(run_dir).endswith("step-4")
+    data = components()
+    resumed = train(cfg, train_data=data, vocab_size=50, run_dir=run_dir)
+    assert resumed.resumed_from.endswith("step-4") and resumed.final_step == 9
+    a, b = params(clean.state), params(resumed.state)
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)
+    start = load(str(Path(run_dir) / "step-4"), jax.eval_shape(lambda: resumed.state))
+    assert any(not np.array_equal(x, y) for x, y in zip(params(start), b, strict=True))  # it did learn
+
+
+@pytest.mark.slow
+def test_the_run_ends_where_the_stop_strategy_says(tmp_path):
+    """first_exhausted: the first step that would need a row a component does not have is never
+    run. Reference: walking the rows the restart run reads, component by component."""
+    from lm_pipeline.data.mixture import mixture_source
+
+    cfg = load_config(None, {**CFG, "trainer.num_train_steps": 50, "data.stop_strategy": "first_exhausted"})
+    sizes = {"a": 13, "b": 7}
+    restart = mixture_source(load_config(None, CFG).data, components(), 4, cfg.trainer.seed, process_index=0,
+                             process_count=1)
+    seen = {"a": 0, "b": 0}
+    step = 0
+    while True:
+        comp, _ = restart.global_rows(step)
+        counts = {n: int((comp == restart.names.index(n)).sum()) for n in seen}
+        if any(seen[n] + counts[n] > sizes[n] for n in seen):
+            break
+        seen = {n: seen[n] + counts[n] for n in seen}
+        step += 1
+    res = train(cfg, train_data=components(), vocab_size=50, run_dir=str(tmp_path / "run"))
+    assert res.final_step == step and 0 < step < 50
