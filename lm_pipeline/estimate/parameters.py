@@ -126,7 +126,7 @@ def _optimizer_bytes(opt_cfg, params, axes, factors) -> int:
     """Bytes per device of the optimizer state, from its traced shapes."""
     from lm_pipeline.train.optim import weight_decay_mask
 
-    tx = opt_cfg.build(1000, weight_decay_mask(params, axes))
+    tx = opt_cfg.build(1000, weight_decay_mask(params, axes), param_axes=axes)
     state = jax.eval_shape(tx.init, params)
     try:
         per_leaf = optax.tree_map_params(

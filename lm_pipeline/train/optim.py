@@ -11,7 +11,8 @@ Optimizer
 where the update rule (:func:`update_rule`) is Optax's ``scale_by_adam(beta1, beta2, epsilon)``
 (``type: adam``), ``scale_by_lion(beta1, beta2)``, ``scale_by_factored_rms()`` (Adafactor) or
 ``contrib.muon`` at unit rate (Muon on the blocks' matrices, :func:`muon_dimensions`; AdamW at
-``adam_lr / learning_rate`` of the schedule on the rest).
+``adam_lr / learning_rate`` of the schedule on the rest), or Sophia-H
+(:mod:`lm_pipeline.train.sophia`, which needs ``update(..., obj_fn=...)``).
 
 (decoupled AdamW: the decay is multiplied by the learning rate, as in ``optax.adamw`` and
 Levanter). Its state is an :class:`OptimizerState`; ``update(grads, state, params, loss=...)``
@@ -209,27 +210,34 @@ def update_rule(config: OptimizerConfig, param_axes: Any = None) -> optax.Gradie
         return optax.scale_by_lion(config.beta1, config.beta2)
     if config.type == "adafactor":
         return optax.scale_by_factored_rms()
-    if config.type == "muon":
-        from optax.contrib import muon
+    if config.type == "sophia-h":
+        from lm_pipeline.train.sophia import scale_by_sophia_h
 
-        # Optax's Muon with unit rate, sign flipped back: a direction the schedule scales; the
-        # parameters it leaves to AdamW move at adam_lr on the same schedule.
-        return optax.chain(muon(1.0, beta=config.momentum, eps=config.epsilon, adam_b1=config.beta1,
-                                adam_b2=config.beta2, adam_learning_rate=config.adam_lr / config.learning_rate,
-                                muon_weight_dimension_numbers=muon_dimensions(param_axes)),
-                           optax.scale(-1.0))
+        return scale_by_sophia_h(config.beta1, config.beta2, config.epsilon, config.gamma, config.update_interval)
+    if config.type == "muon":
+        return _muon(config, param_axes)
     return optax.scale_by_adam(config.beta1, config.beta2, config.epsilon)
+
+
+def _muon(config: OptimizerConfig, param_axes: Any) -> optax.GradientTransformation:
+    """Optax's ``contrib.muon`` at unit rate, as a direction the schedule scales
+    (:mod:`lm_pipeline.train.muon`): Muon on the blocks' matrices, Nesterov AdamW at ``adam_lr /
+    learning_rate`` on the rest."""
+    from lm_pipeline.train.muon import scale_by_muon_and_adam
+
+    if param_axes is None:
+        raise ValueError("optimizer.type muon needs the model's param_axes (which parameters are matrices)")
+    return scale_by_muon_and_adam(muon_dimensions(param_axes), momentum=config.momentum, beta1=config.beta1,
+                                  beta2=config.beta2, epsilon=config.epsilon,
+                                  adam_scale=config.adam_lr / config.learning_rate)
 
 
 def muon_dimensions(param_axes: Any) -> Any:
     """Per parameter, Muon's (input axes, output axes) for the blocks' projection matrices (read from
     their logical axes; a stacked ``layers`` axis is a batch axis), None for the rest: embeddings,
-    the LM head (a ``vocab`` axis), norms, biases. Without ``param_axes`` (None) every parameter
-    is left to AdamW."""
+    the LM head (a ``vocab`` axis), norms, biases; a tree shaped like ``param_axes``."""
     from optax.contrib import MuonDimensionNumbers
 
-    if param_axes is None:
-        return lambda params: jax.tree.map(lambda _: None, params)
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
 
     def dims(path, spec):
@@ -270,9 +278,8 @@ def build_optimizer(
         )
 
     def update_fn(updates, state: OptimizerState, params=None, *, loss=None, **extra_args):
-        del extra_args
         lr = schedule(state.step)
-        new_updates, new_inner = inner.update(updates, state.inner, params)
+        new_updates, new_inner = inner.update(updates, state.inner, params, **extra_args)  # obj_fn: sophia-h
         scaled = jax.tree.map(lambda u: (-lr * u).astype(u.dtype), new_updates)
         if not config.skip_bad_steps and not loss_scaling:
             return scaled, state._replace(inner=new_inner, step=state.step + 1, learning_rate=lr)

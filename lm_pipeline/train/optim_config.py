@@ -73,8 +73,14 @@ if TYPE_CHECKING:
 __all__ = ["CyclePhases", "LrScheduleName", "OptimizerConfig", "OptimizerName"]
 
 LrScheduleName = Literal["constant", "linear", "cosine", "inv_sqrt", "inv"]
-OptimizerName = Literal["adam", "lion", "adafactor", "muon"]
-SOPHIA = ("sophia-h", "sophia_h", "sophiah", "sophia-g", "sophia")
+OptimizerName = Literal["adam", "lion", "adafactor", "muon", "sophia-h"]
+
+#: Levanter's defaults of each optimizer type for the keys a config leaves out (its
+#: ``SophiaHConfig``, ``LionConfig``); ``adam``, ``adafactor`` and ``muon`` share this section's.
+TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sophia-h": {"beta1": 0.96, "beta2": 0.99, "epsilon": 1e-12, "weight_decay": 0.1},
+    "lion": {"beta1": 0.9, "beta2": 0.99},
+}
 
 
 def _to_steps(value: int | float, total: int) -> int:
@@ -123,7 +129,7 @@ class CyclePhases:
 class OptimizerConfig:
     """AdamW (decoupled weight decay, global-norm clipping) and its learning-rate schedule."""
 
-    type: OptimizerName = field("adam", help="The update rule: 'adam' (AdamW; Levanter's adam/adamw), 'lion' (sign of interpolated momentum, Chen et al. 2023; beta1, beta2), 'adafactor' (factored second moments, Shazeer & Stern 2018; no first moment) or 'muon' (orthogonalized momentum for the blocks' matrices, AdamW at adam_lr for embeddings, norms, biases and the LM head). Each through Optax; the schedule, clipping, decoupled weight decay and bad-step skipping are the same for all.", hashed_at_default=False)
+    type: OptimizerName = field("adam", help="The update rule: 'adam' (AdamW; Levanter's adam/adamw), 'lion' (sign of interpolated momentum, Chen et al. 2023; beta1, beta2), 'adafactor' (factored second moments, Shazeer & Stern 2018; no first moment) or 'muon' (orthogonalized momentum for the blocks' matrices, AdamW at adam_lr for embeddings, norms, biases and the LM head), each through Optax; or 'sophia-h' (Liu et al. 2023, Levanter's variant: bias-corrected momentum over gamma times an EMA of Hutchinson estimates of the Hessian's diagonal, clipped to [-1, 1]; Levanter's beta1 0.96, beta2 0.99, epsilon 1e-12, weight_decay 0.1 unless given). The schedule, clipping, decoupled weight decay and bad-step skipping are the same for all.", hashed_at_default=False)
     learning_rate: float = field(1e-4, help="Peak learning rate.")
     weight_decay: float = field(0.0, help="Decoupled (AdamW) weight decay, applied to matrices only (see weight_decay_mask).")
     beta1: float = field(0.9, help="Adam beta1.")
@@ -142,18 +148,18 @@ class OptimizerConfig:
     skip_warmup_steps: int = field(100, help="skip_bad_steps: steps that feed the grad-norm EMA before outliers can be skipped.")
     skip_ema_decay: float = field(0.99, help="skip_bad_steps: decay of the grad-norm EMA.")
     momentum: float = field(0.95, help="muon: decay of the momentum that is orthogonalized (Nesterov).", hashed_at_default=False)
+    gamma: float = field(0.01, help="sophia-h: the Hessian's scale in the preconditioner, update = clip(m / max(gamma * h, epsilon), 1).", hashed_at_default=False)
+    update_interval: int = field(10, help="sophia-h: steps between two Hutchinson estimates of the Hessian's diagonal (each one Hessian-vector product on the step's batch).", hashed_at_default=False)
     adam_lr: float = field(6e-4, help="muon: peak learning rate of the parameters Muon leaves to AdamW (embeddings, norms, biases, LM head), on the same schedule; Levanter's default.", hashed_at_default=False)
 
     @classmethod
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """Levanter's ``type: adamw`` is ``adam``; Sophia is refused in one line (with its ``gamma``)."""
-        if data.get("type") == "adamw":
-            data["type"] = "adam"
-        if data.get("type") in SOPHIA:
-            raise ConfigError("type", f"Levanter's `optimizer.type: {data['type']}` (Sophia: Adam-like steps "
-                              "preconditioned by a Hutchinson estimate of the Hessian's diagonal, clipped by gamma) "
-                              "is not supported here: use type adam, lion, adafactor or muon (and drop gamma)")
-        return data
+        """Levanter's ``type: adamw`` is ``adam``, ``sophiah`` is ``sophia-h``; a type's keys left
+        out take Levanter's defaults for that type (:data:`TYPE_DEFAULTS`)."""
+        kind = {"adamw": "adam", "sophiah": "sophia-h", "sophia_h": "sophia-h"}.get(data.get("type"), data.get("type"))
+        if kind is not None:
+            data["type"] = kind
+        return {**TYPE_DEFAULTS.get(kind, {}), **data} if isinstance(kind, str) else data
 
     # -- validation ----------------------------------------------------------------------------
 
@@ -166,6 +172,10 @@ class OptimizerConfig:
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
                 raise ConfigError(name, f"must be in [0, 1), got {v}")
+        if not self.gamma > 0:
+            raise ConfigError("gamma", f"must be > 0, got {self.gamma}")
+        if self.update_interval < 1:
+            raise ConfigError("update_interval", f"must be >= 1, got {self.update_interval}")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError("momentum", f"must be in [0, 1), got {self.momentum}")
         if not (self.adam_lr > 0 and math.isfinite(self.adam_lr)):
@@ -290,8 +300,8 @@ class OptimizerConfig:
         """The optimizer of ``type`` with this schedule (and bad-step skipping when enabled).
 
         ``param_axes``: the model's logical axes per parameter (:meth:`LmModel.param_axes`); Muon
-        reads from them which parameters are matrices and which of their axes are inputs. Without
-        them Muon leaves every parameter to AdamW.
+        reads from them which parameters are matrices and which of their axes are inputs (it needs
+        them).
 
         ``weight_decay_mask``: a pytree of bools shaped like the parameters (see
         :func:`~lm_pipeline.train.optim.weight_decay_mask`), a callable params -> such a pytree,

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from lm_pipeline.batch import LmBatch, SequenceDataset, device_put_batch
-from lm_pipeline.compute import ComputePlan, plan_for_mesh
+from lm_pipeline.compute import REFERENCE, ComputePlan, plan_for_mesh
 from lm_pipeline.models.base import LmModel
 from lm_pipeline.train.config import Precision, TrainerConfig
 from lm_pipeline.train.loss import model_loss_sums, training_loss_sums
@@ -146,6 +146,7 @@ class _StepContext:
     plan: MeshPlan
     dropout_active: bool
     z_loss_weight: float = 0.0
+    objective: bool = False  # the optimizer reads the step's loss as a function (sophia-h)
 
     @property
     def scaling(self) -> bool:
@@ -176,7 +177,8 @@ def build_step_functions(
         compute = plan_for_mesh(plan.mesh, precision.compute, loss_scaling=precision.uses_loss_scaling)
     lay = _layout(model_cfg, opt_cfg, precision, vocab_size, num_train_steps, plan)
     dropout_active = any(getattr(model_cfg, n, 0.0) > 0 for n in ("embed_pdrop", "resid_pdrop", "attn_pdrop"))
-    ctx = _StepContext(lay, compute, precision, micro, accum, plan, dropout_active, trainer_cfg.z_loss_weight)
+    ctx = _StepContext(lay, compute, precision, micro, accum, plan, dropout_active, trainer_cfg.z_loss_weight,
+                       opt_cfg.type == "sophia-h")
     replicated, batch_sharding = plan.replicated(), plan.batch_sharding()
     in_shardings = (lay.state_shardings, batch_sharding, batch_sharding if has_segments else None)
 
@@ -229,6 +231,18 @@ def _accumulated_grads(ctx: _StepContext, params, tokens, seg, step_key, scale):
     return jax.lax.scan(body, zeros, jnp.arange(ctx.accum))[0]
 
 
+def _objective(ctx: _StepContext, tokens, seg):
+    """The batch's mean loss as a function of the parameters (Sophia-H's Hessian-vector products):
+    no dropout, and the reference plan, whose operations all have second derivatives."""
+
+    def f(p):
+        model = eqx.combine(cast_floating(p, ctx.precision.compute), ctx.lay.model_static)
+        s, n = model_loss_sums(model, tokens, seg, key=None, inference=True, plan=REFERENCE)
+        return s / jnp.maximum(n, 1.0)
+
+    return f
+
+
 def _train_step(ctx: _StepContext, state: TrainState, tokens, seg):
     """One optimizer step on a global batch: (new state, metrics)."""
     params = state.model
@@ -240,7 +254,8 @@ def _train_step(ctx: _StepContext, state: TrainState, tokens, seg):
     grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / denom), grads)
     loss = loss_sum / count
     grads = jax.lax.with_sharding_constraint(grads, ctx.lay.param_shardings)
-    updates, opt_state = ctx.lay.tx.update(grads, state.opt_state, params, loss=loss)
+    extra = {"obj_fn": _objective(ctx, tokens, seg)} if ctx.objective else {}
+    updates, opt_state = ctx.lay.tx.update(grads, state.opt_state, params, loss=loss, **extra)
     metrics = {
         "train/loss": loss,
         "optim/grad_norm": optax.global_norm(grads),

@@ -1,0 +1,77 @@
+"""Sophia-H (Liu et al. 2023, "Sophia: A Scalable Stochastic Second-order Optimizer", Algorithms 1
+and 3) as Levanter runs it, as an Optax transformation.
+
+Per step, with gradient ``g``::
+
+    m = beta1 * m + (1 - beta1) * g;   m_hat = m / (1 - beta1 ** t)
+    update = clip(m_hat / max(gamma * h, epsilon), -1, 1)
+
+and every ``update_interval`` steps (counted after the update; the first estimate at step 10 of
+10), a Hutchinson estimate of the Hessian's diagonal at the step's parameters on the step's batch,
+``h_hat = u * (H u)`` with ``u ~ N(0, I)``, enters ``h = beta2 * h + (1 - beta2) * h_hat``. Until
+the first estimate ``h = 0`` and every coordinate moves by the clip bound (a sign step).
+
+The Hessian-vector product needs the objective: ``update(..., obj_fn=f)`` with ``f(params)`` the
+step's mean loss (the trainer passes it); it is reverse-over-reverse (the cross-entropy has a
+hand-written backward pass, which forward mode cannot enter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class SophiaState(NamedTuple):
+    count: jax.Array  # steps done
+    mu: Any  # first moment
+    h: Any  # EMA of the Hessian diagonal estimates
+    key: jax.Array  # for the next estimate's probe
+
+
+def hutchinson_diagonal(obj_fn: Callable[[Any], jax.Array], params: Any, key: jax.Array) -> Any:
+    """``u * (H u)`` for one Gaussian probe ``u``: an unbiased estimate of diag(H) of ``obj_fn`` at ``params``."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    probe = jax.tree.unflatten(treedef, [jax.random.normal(k, p.shape, jnp.float32).astype(p.dtype)
+                                         for k, p in zip(keys, leaves, strict=True)])
+
+    def grad_dot_probe(p):
+        g = jax.grad(obj_fn)(p)
+        return sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(probe), strict=True))
+
+    hvp = jax.grad(grad_dot_probe)(params)
+    return jax.tree.map(lambda u, hu: u * hu, probe, hvp)
+
+
+def scale_by_sophia_h(beta1: float, beta2: float, epsilon: float, gamma: float, update_interval: int,
+                      seed: int = 0, clip: float = 1.0) -> optax.GradientTransformationExtraArgs:
+    """The Sophia-H direction (see the module docstring); ``update`` needs ``params`` and ``obj_fn``."""
+
+    def init_fn(params):
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return SophiaState(jnp.zeros([], jnp.int32), zeros, zeros, jax.random.key_data(jax.random.key(seed)))
+
+    def update_fn(updates, state: SophiaState, params=None, *, obj_fn=None, **extra):
+        del extra
+        if params is None or obj_fn is None:
+            raise ValueError("sophia-h needs params and obj_fn (the step's loss as a function of the params)")
+        count = state.count + 1
+        mu = jax.tree.map(lambda g, m: beta1 * m + (1 - beta1) * g, updates, state.mu)
+        direction = jax.tree.map(
+            lambda m, h: jnp.clip(m / (1 - beta1 ** count) / jnp.maximum(gamma * h, epsilon), -clip, clip),
+            mu, state.h)
+
+        def estimate(h):
+            key, nxt = jax.random.split(jax.random.wrap_key_data(state.key))
+            fresh = hutchinson_diagonal(obj_fn, params, key)
+            return jax.tree.map(lambda new, old: beta2 * old + (1 - beta2) * new, fresh, h), jax.random.key_data(nxt)
+
+        h, key = jax.lax.cond(count % update_interval == 0, estimate, lambda h: (h, state.key), state.h)
+        return direction, SophiaState(count, mu, h, key)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
