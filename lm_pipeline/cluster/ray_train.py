@@ -139,7 +139,7 @@ class TrainProcess:
             ("trainer.distributed.process_id", pid), ("trainer.distributed.initialize", n > 1)])
         cfg = from_dict(RunConfig, raw)
         store = open_store(store_root)
-        pipe = Pipeline(cfg, store, progress=False)  # process 0 locks and commits (steps.pipeline.DISTRIBUTED_STAGES)
+        pipe = Pipeline(cfg, store, progress=False)  # process 0 locks and commits (the stage is distributed)
         fp = pipe.address("train_ckpt").fingerprint
         if expected_fingerprint and fp != expected_fingerprint:
             raise RuntimeError(f"train_ckpt fingerprint {fp} differs from the orchestrator's {expected_fingerprint}; "

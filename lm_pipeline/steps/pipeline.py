@@ -36,13 +36,6 @@ from lm_pipeline.store import ArtifactStore, open_store
 
 log = logging.getLogger(__name__)
 
-#: Stages that all processes of one ``jax.distributed`` run build together (each writes its part).
-#: Process 0 takes the builders' lock and commits the manifest; the other processes do neither: a
-#: follower waiting for the lock that process 0 holds while process 0 waits for the follower in
-#: ``jax.distributed`` start-up would deadlock, and one manifest per artifact is the rule.
-DISTRIBUTED_STAGES = frozenset({"train_ckpt"})
-
-
 def process_index(cfg: RunConfig) -> int:
     """This process's index in a multi-process run, known before ``jax.distributed`` starts: the
     config's ``trainer.distributed.process_id``, else the launcher's ``SLURM_PROCID``, else 0."""
@@ -321,33 +314,17 @@ class Pipeline:
     def run(self, name: str, write: Writer, step: int | None = None, *, staged: bool = False) -> StageResult:
         """Build stage ``name`` with ``write`` unless it is complete; commit its manifest last
         (:func:`lm_pipeline.steps.artifact.build`, whose ``staged`` this passes on)."""
-        follower = name in DISTRIBUTED_STAGES and process_index(self.cfg) > 0
+        follower = self.stage(name).distributed and process_index(self.cfg) > 0
         return artifact.build(self.store, self.address(name, step), write, staged=staged,
                               follower=f"process {process_index(self.cfg)}" if follower else None)
 
     def build(self, name: str, **options: Any) -> StageResult:
-        """Build stage ``name`` (its upstream first) with its build function's ``options``.
-
-        What the stage needs of the user's inputs is checked first, also when it is built already:
-        ``train_ckpt``, the checkpoints it would load (:meth:`checkpoint_problems`) and the trackers
-        it would start (a wandb tracker without an API key), before any other stage is built;
-        ``train_ckpt``, ``token_cache`` and a trained tokenizer, some training text
-        (:meth:`training_text_problem`)."""
+        """Build stage ``name`` (its upstream first) with its build function's ``options``; what the
+        stage needs of the user's inputs (its declaration's ``check``) is checked first, also when
+        it is built already."""
         stage = self.stage(name)
-        if name == "train_ckpt":
-            from lm_pipeline.schema import raise_problems
-            from lm_pipeline.train.trackers import tracker_problems
-
-            raise_problems([ConfigError(where, problem) for where, problem in
-                            [*self.checkpoint_problems(), *tracker_problems(self.cfg.trainer.tracker)]])
-        if "raw_shards" in self.stages and (name in ("train_ckpt", "token_cache") or (
-                name == "tokenizer" and self.cfg.data.tokenizer.kind == "bpe")):
-            problem = self.training_text_problem()
-            if problem:
-                from lm_pipeline.data.validation import DataValidationError
-
-                source = (self.cfg.data.train_sources() or ["train_urls"])[0]
-                raise DataValidationError(f"data.{source}", "", "no_training_text", problem)
+        if stage.check is not None:
+            stage.check(self)
         return stage.build(BuildContext(self, stage), Inputs(self, stage), **options)
 
     # -- the stages by name (the build functions are in lm_pipeline.steps.builders) -------------------

@@ -38,7 +38,12 @@ class Stage:
     address. ``command``: the ``lm-pipeline`` subcommand that builds it, and its help. ``kind``:
     what the artifact is made of; ``pool``: one of :data:`POOLS` or None; ``metadata(result)``:
     what its result shows, as plain data (:mod:`lm_pipeline.steps.display`), besides the path,
-    fingerprint, timing and size every stage shows.
+    fingerprint, timing and size every stage shows. ``check(pipe)`` raises what the user must fix
+    before the stage is built (also when it is built already: a cache hit must not hide a bad
+    input). ``distributed``: all processes of one ``jax.distributed`` run build it together, each
+    writing its part; process 0 takes the builders' lock and commits the manifest, the others do
+    neither (a follower waiting for the lock that process 0 holds while process 0 waits for it in
+    ``jax.distributed`` start-up would deadlock; one manifest per artifact is the rule).
     """
 
     name: str
@@ -54,6 +59,8 @@ class Stage:
     command: tuple[str, str] | None = None
     pool: str | None = None
     metadata: Callable[[StageResult], dict[str, Any]] | None = None
+    check: Callable[[Pipeline], None] | None = None
+    distributed: bool = False
 
     def __post_init__(self) -> None:
         if self.pool is not None and self.pool not in POOLS:

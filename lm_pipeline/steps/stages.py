@@ -80,6 +80,34 @@ def _train_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
     return start_weights(pipe.cfg)
 
 
+def _needs_training_text(pipe: Pipeline) -> None:
+    """Some training text (raw_shards built first to know), else one line naming the shards."""
+    if "raw_shards" not in pipe.stages:
+        return
+    problem = pipe.training_text_problem()
+    if problem:
+        from lm_pipeline.data.validation import DataValidationError
+
+        source = (pipe.cfg.data.train_sources() or ["train_urls"])[0]
+        raise DataValidationError(f"data.{source}", "", "no_training_text", problem)
+
+
+def _tokenizer_check(pipe: Pipeline) -> None:
+    if pipe.cfg.data.tokenizer.kind == "bpe":  # trained on the training text
+        _needs_training_text(pipe)
+
+
+def _train_check(pipe: Pipeline) -> None:
+    """The checkpoints a run would load and the trackers it would start (a wandb tracker without an
+    API key), all in one error, before any other stage is built; then some training text."""
+    from lm_pipeline.schema import ConfigError, raise_problems
+    from lm_pipeline.train.trackers import tracker_problems
+
+    raise_problems([ConfigError(where, problem) for where, problem in
+                    [*pipe.checkpoint_problems(), *tracker_problems(pipe.cfg.trainer.tracker)]])
+    _needs_training_text(pipe)
+
+
 # -- the table ----------------------------------------------------------------------------------------
 
 # Code versions: tokenizer 2: BPE training cuts words longer than
@@ -90,13 +118,15 @@ STAGES: tuple[Stage, ...] = (
           description="Every raw text shard, validated under the experiment's policy, with per-shard counts."),
     Stage("tokenizer", 2, ("raw_shards",), _tokenizer_config, builders.tokenizer,
           input_stages=_tokenizer_input_stages, sources=_tokenizer_sources, kind="python", metadata=shown.tokenizer,
+          check=_tokenizer_check,
           description="The byte-level BPE trained on the training shards (or the configured HF tokenizer)."),
     Stage("token_cache", 1, ("raw_shards", "tokenizer"), lambda pipe: {}, builders.token_cache,
           sources=mixture.cache_sources, kind="tensorstore", command=("cache", "build the raw shards, tokenizer and token cache only"),
-          metadata=shown.token_cache, description="Every split tokenized into a TensorStore token cache."),
+          metadata=shown.token_cache, check=_needs_training_text,
+          description="Every split tokenized into a TensorStore token cache."),
     Stage("train_ckpt", 1, ("token_cache",), _train_config, builders.train_ckpt, kind="jax", sources=_train_sources,
           command=("train", "train a model (builds the tokenizer and token cache first if needed)"),
-          pool="training", metadata=shown.train_ckpt,
+          pool="training", metadata=shown.train_ckpt, check=_train_check, distributed=True,
           description="The training run (resumable): its checkpoints, metrics and loss curve."),
     Stage("eval_report", 1, ("train_ckpt", "token_cache"), lambda pipe: semantic_view(pipe.eval_config),
           builders.eval_report, per_checkpoint=True, kind="pandas", pool="evaluation", metadata=shown.eval_report,
