@@ -269,6 +269,53 @@ def _lineage(cfg, args: argparse.Namespace) -> int:
 _REEXEC_COMMANDS = ("train", "cache", "eval", "generate")
 
 
+def _build_stage(cmd: str, cfg, args: argparse.Namespace) -> int:
+    """``plan``, or build the stage a building subcommand names (the stages before it first) and
+    print where it is, whether it was a cache hit and its summary."""
+    from lm_pipeline.steps import Pipeline
+
+    on_ray = cmd == "cache" and getattr(args, "ray_address", None)
+    if on_ray:
+        from lm_pipeline.cluster import ClusterError, require_ray
+        from lm_pipeline.cluster.ray_cache import build_token_cache_on_ray, check_ray_address
+
+        try:  # before any work: the address's form and the package
+            check_ray_address(args.ray_address)
+            require_ray("tokenizing on Ray")
+        except ClusterError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    pipe = Pipeline(cfg)
+    pipe.preflight()
+    if cmd == "plan":
+        print(pipe.plan_text())
+        return 0
+    if on_ray:
+        try:
+            res = build_token_cache_on_ray(pipe, address=args.ray_address, num_cpus=args.ray_cpus_per_task)
+        except ClusterError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    else:
+        res = pipe.build(BUILD_COMMANDS[cmd])
+    raw = pipe.cached("raw_shards")
+    if raw is not None:  # what the data kept and skipped, also when it was built before
+        from lm_pipeline.steps.builders import data_summary
+
+        print(f"data: {data_summary(raw.manifest)}", file=sys.stderr)
+    where = {"path": res.path, **({"run_dir": res.manifest["run_dir"]} if "run_dir" in res.manifest else {})}
+    print(json.dumps({**where, "hit": res.hit, **res.summary}, indent=2, default=str))
+    return 0
+
+
+def _usage(argv: list[str]) -> int:
+    width = max(map(len, COMMANDS))
+    print("usage: lm-pipeline COMMAND --config_path FILE [--section.field VALUE ...]\n\ncommands:")
+    for name, text in COMMANDS.items():
+        print(f"  {name.ljust(width)}  {text}")
+    return 0 if argv and argv[0] in ("-h", "--help") else 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] in _REEXEC_COMMANDS:
         from lm_pipeline.launch import maybe_reexec_with_tcmalloc
@@ -276,11 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         maybe_reexec_with_tcmalloc()  # returns only when it does not re-execute
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        width = max(map(len, COMMANDS))
-        print("usage: lm-pipeline COMMAND --config_path FILE [--section.field VALUE ...]\n\ncommands:")
-        for name, text in COMMANDS.items():
-            print(f"  {name.ljust(width)}  {text}")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        return _usage(argv)
     cmd, rest = argv[0], argv[1:]
     args, overrides = _parser(cmd).parse_known_args(rest)
     if cmd == "generate":  # argument errors before any checkpoint is read
@@ -315,40 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             logging.getLogger("lm_pipeline.cli").info("allocator: %s", tcmalloc_status())
         if cmd in BUILD_COMMANDS or cmd == "plan":
-            from lm_pipeline.steps import Pipeline
-
-            on_ray = cmd == "cache" and getattr(args, "ray_address", None)
-            if on_ray:
-                from lm_pipeline.cluster import ClusterError, require_ray
-                from lm_pipeline.cluster.ray_cache import build_token_cache_on_ray, check_ray_address
-
-                try:  # before any work: the address's form and the package
-                    check_ray_address(args.ray_address)
-                    require_ray("tokenizing on Ray")
-                except ClusterError as e:
-                    print(f"error: {e}", file=sys.stderr)
-                    return 2
-            pipe = Pipeline(cfg)
-            pipe.preflight()
-            if cmd == "plan":
-                print(pipe.plan_text())
-                return 0
-            if on_ray:
-                try:
-                    res = build_token_cache_on_ray(pipe, address=args.ray_address, num_cpus=args.ray_cpus_per_task)
-                except ClusterError as e:
-                    print(f"error: {e}", file=sys.stderr)
-                    return 1
-            else:
-                res = pipe.build(BUILD_COMMANDS[cmd])
-            raw = pipe.cached("raw_shards")
-            if raw is not None:  # what the data kept and skipped, also when it was built before
-                from lm_pipeline.steps.builders import data_summary
-
-                print(f"data: {data_summary(raw.manifest)}", file=sys.stderr)
-            where = {"path": res.path, **({"run_dir": res.manifest["run_dir"]} if "run_dir" in res.manifest else {})}
-            print(json.dumps({**where, "hit": res.hit, **res.summary}, indent=2, default=str))
-            return 0
+            return _build_stage(cmd, cfg, args)
         if cmd == "estimate":
             return _estimate(cfg, args)
         if cmd == "lineage":
