@@ -8,9 +8,13 @@ its manifest exists. A complete stage is a cache hit: it does no work. The Dagst
 the command line both call these functions.
 
 =========================  ==================================================================
-``steps.stages``           the stage table: :class:`Stage`, :data:`STAGES` (one declaration each)
+``steps.stage``            :class:`Stage` (a stage's one declaration), what a builder receives
+``steps.stages``           the stage table: :data:`STAGES` (one declaration each)
 ``steps.pipeline``         :class:`Pipeline`: addresses and config versions (once each), running
-``steps.builders``         what each stage does (one build function per stage)
+``steps.artifact``         one artifact built at its address: cache hit, lock, manifest last
+``steps.builders``         what each stage of the table does (one build function per stage)
+``steps.shown``            what each stage of the table shows (plain data: ``steps.display``)
+``steps.comparison``       every experiment's final evaluation side by side
 ``steps.fanout``           the token cache over shard groups: groups, parts, one commit
 ``steps.plan``             hit or miss per stage, and what changed
 ``steps.checkpoints``      the complete checkpoints of a run directory
