@@ -114,6 +114,7 @@ def _levanter_top_level_raw(data: dict[str, Any]) -> dict[str, Any]:
              f"({source}) here")
     elif data.get("initialize_from_hf") is False:
         data.pop("initialize_from_hf")
+    _model_averaging_raw(data)
     for key, target in (("z_loss_weight", "z_loss_weight"), ("epoch", "max_epochs")):
         if key in data:
             trainer = data.get("trainer")
@@ -125,6 +126,29 @@ def _levanter_top_level_raw(data: dict[str, Any]) -> dict[str, Any]:
             value = data.pop(key)
             data["trainer"] = {**trainer, target: None if key == "epoch" and value == 0 else value}
     return data
+
+
+def _model_averaging_raw(data: dict[str, Any]) -> None:
+    """Levanter's ``trainer.model_averaging: {type: ema, beta: B}`` is ``optimizer.ema_beta: B`` (the
+    average is kept with the optimizer's state)."""
+    from lm_pipeline.levanter import note
+
+    trainer = data.get("trainer")
+    if not isinstance(trainer, dict) or "model_averaging" not in trainer:
+        return
+    avg = trainer.pop("model_averaging")
+    if avg is None:
+        return
+    if not isinstance(avg, dict) or avg.get("type", "ema") != "ema" or set(avg) - {"type", "beta"}:
+        raise ConfigError("trainer.model_averaging", f"Levanter's `trainer.model_averaging` {avg!r} is not supported "
+                          "here: use {type: ema, beta: 0.999} (an exponential moving average)")
+    optimizer = data.get("optimizer")
+    optimizer = {} if optimizer is None else optimizer
+    if not isinstance(optimizer, dict) or "ema_beta" in optimizer:
+        raise ConfigError("trainer.model_averaging", "given together with optimizer.ema_beta; keep one")
+    data["optimizer"] = {**optimizer, "ema_beta": avg.get("beta", 0.999)}
+    note("trainer.model_averaging", "Levanter's trainer.model_averaging: {type: ema} is optimizer.ema_beta here "
+         "(evaluation and exports use the average)")
 
 
 def _hf_model_config_raw(data: dict[str, Any]) -> dict[str, Any]:

@@ -79,7 +79,6 @@ LEVANTER_KEYS: tuple[LevanterKey, ...] = (
     # --- what, not how: refused until implemented ------------------------------------------
     _k("trainer.quantization", "fp8 / int8 quantized training", "refused",
        "remove it (training runs in trainer.mp)"),
-    _k("trainer.model_averaging", "an EMA of the weights used for evaluation", "refused", "remove it"),
     _k("model.rope", "the rotary embedding and its scaling", "refused",
        "GPT-2 has learned positions; rotary embeddings are the llama family's (type: llama)"),
     _k("model.use_layer_norm_weight", "norms without a learned scale", "refused",

@@ -97,7 +97,8 @@ STAGE_OF: dict[str, str | None] = {
             "initialize_from max_epochs z_loss_weight"),
     **_each("train_ckpt", "optimizer.", "learning_rate weight_decay beta1 beta2 epsilon max_grad_norm "
             "lr_schedule min_lr_ratio warmup decay rewarmup cycles cycle_length skip_bad_steps "
-            "skip_grad_norm_factor skip_warmup_steps skip_ema_decay type momentum adam_lr gamma update_interval"),
+            "skip_grad_norm_factor skip_warmup_steps skip_ema_decay type momentum adam_lr gamma update_interval "
+            "ema_beta"),
     **_each("eval_report", "eval.", "batch_size max_eval_batches compute_dtype unigram_baseline"),
     **_each("hf_export", "export.", "max_shard_size dtype"),
     # no artifact: worker counts, recomputation, cadence, layout, paths, resumption, trackers

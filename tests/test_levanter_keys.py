@@ -21,12 +21,10 @@ from lm_pipeline.train.trackers import WandbConfig, tracker_problems
 FIVE = {
     "model": {"type": "gpt2", "hidden_dim": 32, "num_heads": 2, "num_layers": 1, "use_layer_norm_weight": False,
               "rope": {"type": "yarn", "factor": 2.0}},
-    "trainer": {"model_averaging": {"type": "ema", "beta": 0.995}},
-    "optimizer": {"cooldown": 0.1, "learning_rate": 1e-3},
-    "eval_harness": {"task_spec": ["piqa"]},
+    "optimizer": {"cooldown": 0.1, "haps": [1000], "weight_decay_modules": ["attn"], "learning_rate": 1e-3},
 }
-FIVE_PATHS = ("model.use_layer_norm_weight", "model.rope", "trainer.model_averaging", "optimizer.cooldown",
-              "eval_harness")
+FIVE_PATHS = ("model.use_layer_norm_weight", "model.rope", "optimizer.cooldown", "optimizer.haps",
+              "optimizer.weight_decay_modules")
 
 
 def _cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

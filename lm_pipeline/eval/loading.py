@@ -76,6 +76,7 @@ def load_model_from_checkpoint(path: str | os.PathLike, *, dtype: Any = None) ->
     from lm_pipeline.hf.start import is_hf_model_dir
     from lm_pipeline.train.checkpoint import load, read_metadata
     from lm_pipeline.train.checkpoint.remote import local_copy
+    from lm_pipeline.train.optim import EMA_SUBTREE
 
     if is_hf_model_dir(path):
         return _load_hf_dir(os.fspath(path), dtype)
@@ -86,9 +87,10 @@ def load_model_from_checkpoint(path: str | os.PathLike, *, dtype: Any = None) ->
         raise FileNotFoundError(f"{step_dir} has no {CONFIG_FILE}: cannot tell which model it holds")
     cfg = load_config(cfg_path)
     saved = read_metadata(step_dir).get("state", {}).get("arrays", {})
-    emb = saved.get(f"{MODEL_SUBTREE}.token_embeddings")
+    subtree = MODEL_SUBTREE if cfg.optimizer.ema_beta is None else EMA_SUBTREE  # the weight average
+    emb = saved.get(f"{subtree}.token_embeddings")
     if emb is None:
-        raise ValueError(f"{step_dir}: the checkpoint holds no '{MODEL_SUBTREE}.token_embeddings' array")
+        raise ValueError(f"{step_dir}: the checkpoint holds no '{subtree}.token_embeddings' array")
     vocab_size = int(emb["shape"][0])
 
     skeleton = eqx.filter_eval_shape(cfg.model.build, vocab_size, key=jax.random.PRNGKey(0))
@@ -97,12 +99,12 @@ def load_model_from_checkpoint(path: str | os.PathLike, *, dtype: Any = None) ->
     def abstract(p, leaf):
         if not _is_shape(leaf):
             return leaf
-        key = ".".join([MODEL_SUBTREE, *(e.name for e in p)])
+        key = ".".join([subtree, *(e.name for e in p)])
         dt = np.dtype(saved[key]["dtype"]) if key in saved else leaf.dtype  # missing: load() names it
         return jax.ShapeDtypeStruct(leaf.shape, dt, sharding=device)
 
     target = jax.tree_util.tree_map_with_path(abstract, skeleton, is_leaf=_is_shape)
-    model = load(step_dir, target, subtree=MODEL_SUBTREE)
+    model = load(step_dir, target, subtree=subtree)
     if dtype is not None:
         from lm_pipeline.train.trainer import cast_floating
 

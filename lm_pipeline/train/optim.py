@@ -50,9 +50,9 @@ if TYPE_CHECKING:  # the config module builds this optimizer: no import back at 
     from lm_pipeline.train.optim_config import CyclePhases, OptimizerConfig
 
 __all__ = [
-    "LOSS_SCALE_INIT", "LOSS_SCALE_PERIOD", "OptimizerState",
+    "EMA_SUBTREE", "LOSS_SCALE_INIT", "LOSS_SCALE_PERIOD", "AveragedState", "OptimizerState", "averaged_params",
     "all_finite", "build_optimizer", "current_lr", "loss_scale", "muon_dimensions", "schedule_fn", "skipped_steps",
-    "update_rule", "weight_decay_mask",
+    "update_rule", "weight_decay_mask", "with_weight_average",
 ]
 
 
@@ -285,7 +285,42 @@ def build_optimizer(
             return scaled, state._replace(inner=new_inner, step=state.step + 1, learning_rate=lr)
         return _guarded_update(config, loss_scaling, updates, scaled, new_inner, state, lr, loss)
 
+    tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return tx if config.ema_beta is None else with_weight_average(tx, config.ema_beta)
+
+
+class AveragedState(NamedTuple):
+    """The optimizer's state and an exponential moving average of the weights after each step."""
+
+    opt: Any
+    ema: Any
+
+
+#: Where a checkpoint keeps the weight average (the train state's ``opt_state`` is an
+#: :class:`AveragedState`); evaluation and export read the model from here when it is set.
+EMA_SUBTREE = "opt_state.ema"
+
+
+def with_weight_average(tx: optax.GradientTransformationExtraArgs, beta: float) -> optax.GradientTransformationExtraArgs:
+    """``tx`` that also keeps ``ema = beta * ema + (1 - beta) * new_params`` (from the initial
+    parameters; Levanter's ``model_averaging: {type: ema, beta}``)."""
+
+    def init_fn(params):
+        return AveragedState(tx.init(params), jax.tree.map(jnp.asarray, params))
+
+    def update_fn(updates, state: AveragedState, params=None, **extra):
+        if params is None:
+            raise ValueError("a weight average needs the params")
+        new, opt = tx.update(updates, state.opt, params, **extra)
+        ema = jax.tree.map(lambda e, p, u: (beta * e + (1 - beta) * (p + u)).astype(e.dtype), state.ema, params, new)
+        return new, AveragedState(opt, ema)
+
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def averaged_params(opt_state: Any, params: Any) -> Any:
+    """The weight average of ``opt_state`` when it keeps one, else ``params``."""
+    return opt_state.ema if isinstance(opt_state, AveragedState) else params
 
 
 def _guarded_update(

@@ -148,6 +148,7 @@ class OptimizerConfig:
     skip_warmup_steps: int = field(100, help="skip_bad_steps: steps that feed the grad-norm EMA before outliers can be skipped.")
     skip_ema_decay: float = field(0.99, help="skip_bad_steps: decay of the grad-norm EMA.")
     momentum: float = field(0.95, help="muon: decay of the momentum that is orthogonalized (Nesterov).", hashed_at_default=False)
+    ema_beta: float | None = field(None, help="An exponential moving average of the weights, ema = ema_beta * ema + (1 - ema_beta) * weights after each step (Levanter's trainer.model_averaging: {type: ema, beta}); evaluation, checkpoint evaluation and exports use it. Kept in the optimizer state; null = none.", hashed_at_default=False)
     gamma: float = field(0.01, help="sophia-h: the Hessian's scale in the preconditioner, update = clip(m / max(gamma * h, epsilon), 1).", hashed_at_default=False)
     update_interval: int = field(10, help="sophia-h: steps between two Hutchinson estimates of the Hessian's diagonal (each one Hessian-vector product on the step's batch).", hashed_at_default=False)
     adam_lr: float = field(6e-4, help="muon: peak learning rate of the parameters Muon leaves to AdamW (embeddings, norms, biases, LM head), on the same schedule; Levanter's default.", hashed_at_default=False)
@@ -172,6 +173,8 @@ class OptimizerConfig:
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
                 raise ConfigError(name, f"must be in [0, 1), got {v}")
+        if self.ema_beta is not None and not 0.0 < self.ema_beta < 1.0:
+            raise ConfigError("ema_beta", f"must be in (0, 1) or null, got {self.ema_beta}")
         if not self.gamma > 0:
             raise ConfigError("gamma", f"must be > 0, got {self.gamma}")
         if self.update_interval < 1:

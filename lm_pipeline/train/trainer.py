@@ -26,7 +26,7 @@ from lm_pipeline.compute import REFERENCE, ComputePlan, plan_for_mesh
 from lm_pipeline.models.base import LmModel
 from lm_pipeline.train.config import Precision, TrainerConfig
 from lm_pipeline.train.loss import model_loss_sums, training_loss_sums
-from lm_pipeline.train.optim import loss_scale, skipped_steps, weight_decay_mask
+from lm_pipeline.train.optim import averaged_params, loss_scale, skipped_steps, weight_decay_mask
 from lm_pipeline.train.optim_config import OptimizerConfig
 from lm_pipeline.train.sharding import MeshPlan
 
@@ -268,8 +268,10 @@ def _train_step(ctx: _StepContext, state: TrainState, tokens, seg):
 
 
 def _eval_step(ctx: _StepContext, state: TrainState, tokens, seg):
-    """(loss sum, predicted tokens) of the state's model on a batch, no dropout, no gradients."""
-    model = eqx.combine(cast_floating(state.model, ctx.precision.compute), ctx.lay.model_static)
+    """(loss sum, predicted tokens) of the state's model (its weight average, when the optimizer keeps
+    one) on a batch, no dropout, no gradients."""
+    params = averaged_params(state.opt_state, state.model)
+    model = eqx.combine(cast_floating(params, ctx.precision.compute), ctx.lay.model_static)
     return model_loss_sums(model, tokens, seg, key=None, inference=True, plan=ctx.compute)
 
 
