@@ -144,24 +144,44 @@ def token_cache_outcome(path: str, manifest: Mapping[str, Any], raw_manifest: Ma
 # ------------------------------------------------------------------ train_ckpt
 
 
-def unigram_loss(train_cache: str, limit: int = UNIGRAM_TOKENS) -> tuple[float, int]:
-    """The loss (nats per token) of the add-one smoothed unigram model of a training cache on its
-    own tokens (at most ``limit`` of them, from the start), and how many tokens it counted: the
-    baseline a training run's loss must beat (:mod:`lm_pipeline.eval.unigram`'s model)."""
+def unigram_loss(train_cache: str | list[str], limit: int = UNIGRAM_TOKENS) -> tuple[float, int]:
+    """The loss (nats per token) of the add-one smoothed unigram model of a training cache (or of
+    a mixture's component caches together) on its own tokens (at most ``limit`` of each, from the
+    start), and how many tokens it counted: the baseline a training run's loss must beat
+    (:mod:`lm_pipeline.eval.unigram`'s model)."""
     from lm_pipeline.data.cache import open_cache
 
-    cache = open_cache(train_cache)
-    vocab = int(cache.settings["vocab_size"])
+    caches = [open_cache(c) for c in (train_cache if isinstance(train_cache, list) else [train_cache])]
+    vocab = int(caches[0].settings["vocab_size"])
     counts = np.zeros(vocab, np.int64)
-    n = min(cache.num_tokens, limit)
-    for start in range(0, n, _CHUNK):
-        toks = cache.read_tokens(start, min(start + _CHUNK, n)).astype(np.int64)
-        counts += np.bincount(np.minimum(toks, vocab - 1), minlength=vocab)[:vocab]
+    n = 0
+    for cache in caches:
+        size = min(cache.num_tokens, limit)
+        n += size
+        for start in range(0, size, _CHUNK):
+            toks = cache.read_tokens(start, min(start + _CHUNK, size)).astype(np.int64)
+            counts += np.bincount(np.minimum(toks, vocab - 1), minlength=vocab)[:vocab]
     logp = np.log(counts + 1.0) - math.log(n + vocab)
     return float(-(counts * logp).sum() / max(n, 1)), int(n)
 
 
-def train_ckpt_outcome(manifest: Mapping[str, Any], train_cache: str | None) -> Outcome:
+def mixture_index_outcome(store, manifest: Mapping[str, Any]) -> Outcome:
+    """A mixture's ``token_cache`` index: every component's cache it names is complete (each is
+    checked on its own asset)."""
+    comps = manifest.get("components") or {}
+    missing = [n for n, c in comps.items() if store.manifest("token_cache", c["fingerprint"]) is None]
+    if missing or not comps:
+        return Outcome(False, f"the mixture's component caches {missing} are not complete", ERROR, {"components": comps})
+    return Outcome(True, f"the {len(comps)} component caches are complete (each checked on its own asset)", ERROR,
+                   {"components": comps})
+
+
+def _train_caches(path: str, manifest: Mapping[str, Any]) -> str | list[str]:
+    comps = manifest.get("components")
+    return f"{path}/train" if not comps else [f"{c['path']}/train" for c in comps.values()]
+
+
+def train_ckpt_outcome(manifest: Mapping[str, Any], train_cache: str | list[str] | None) -> Outcome:
     """Check a training run (its ``manifest``) against the unigram baseline of ``train_cache``."""
     s = manifest.get("summary") or {}
     loss = s.get("train/loss")
@@ -324,12 +344,14 @@ def _check(node: Node):
         if isinstance(found, Outcome):
             return found.result()
         fp, path, manifest = found
-        if node.stage == "token_cache":
+        if node.stage == "token_cache" and manifest.get("components"):  # a mixture's index
+            outcome = mixture_index_outcome(artifacts, manifest)
+        elif node.stage == "token_cache":
             raw = _upstream(artifacts, manifest, "raw_shards")
             outcome = token_cache_outcome(path, manifest, raw[1] if raw else None)
         elif node.stage == "train_ckpt":
             cache = _upstream(artifacts, manifest, "token_cache")
-            outcome = train_ckpt_outcome(manifest, f"{cache[0]}/train" if cache else None)
+            outcome = train_ckpt_outcome(manifest, _train_caches(*cache) if cache else None)
         elif node.stage == "eval_report":
             outcome = eval_report_outcome(manifest)
         else:

@@ -30,6 +30,7 @@ from typing import Any
 import dagster as dg
 
 from assets.experiment import DEFAULT_NAME, Experiment
+from assets.mixture import add_components
 
 SOURCE = "data_sources"
 CHECKPOINT_EVAL = "checkpoint_eval"
@@ -47,6 +48,7 @@ class Node:
     experiment: Experiment
     shared_with: list[str] = field(default_factory=list)  # other experiments with the same address now
     deps: list[dg.AssetKey] = field(default_factory=list)  # upstream stage assets (+ the data source)
+    component: str | None = None  # a data mixture's component whose artifact this is (assets/mixture.py)
 
     @property
     def owner(self) -> Experiment:
@@ -96,6 +98,7 @@ class Deployment:
                 self._of[(exp.name, stage)] = node
                 if stage == "raw_shards":
                     self.sources[self.source_key(exp.name)] = node
+            add_components(self, exp, pipe)  # a data mixture: per-component sources and caches
 
     def prefix(self, experiment: str) -> list[str]:
         """The key prefix of ``experiment``'s assets: none for the default experiment."""
@@ -104,9 +107,22 @@ class Deployment:
         return [] if experiment == self.default else [experiment]
 
     def nodes(self) -> list[Node]:
-        """Every stage asset, in stage order, then by experiment."""
+        """Every stage asset (a mixture's component caches included), in stage order, then by experiment."""
         order = {s: i for i, s in enumerate(self.stages)}
-        return sorted(self._of.values(), key=lambda n: (order[n.stage], n.name))
+        return sorted(self._of.values(), key=lambda n: (order[n.stage], n.name, n.component or ""))
+
+    def add_node(self, node: Node) -> None:
+        """Add a mixture component's asset (:func:`assets.mixture.add_components`)."""
+        self._of[(node.name, f"{node.stage}[{node.component}]")] = node
+
+    def components(self, experiment: str) -> list[Node]:
+        """The component cache assets of ``experiment``'s data mixture (none without one)."""
+        return [n for n in self.nodes() if n.name == experiment and n.component is not None]
+
+    def lineage_keys(self, experiment: str) -> list[dg.AssetKey]:
+        """The data sources, component caches and stage assets of ``experiment``."""
+        sources = [k for k, n in self.sources.items() if n.name == experiment]
+        return [*sources, *(n.key for n in self.components(experiment)), *(self.key(experiment, s) for s in self.stages)]
 
     def node(self, experiment: str, stage: str) -> Node:
         try:

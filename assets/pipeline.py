@@ -105,7 +105,7 @@ def lineage_selection(dep: Deployment, experiments: Sequence[str] | None = None)
     names = list(experiments) if experiments is not None else list(dep.experiments)
     keys: list[dg.AssetKey] = []
     for name in names:
-        for k in (dep.source_key(name), *(dep.key(name, s) for s in dep.stages)):
+        for k in dep.lineage_keys(name):
             if k not in keys:
                 keys.append(k)
     return keys

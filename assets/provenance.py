@@ -20,6 +20,7 @@ import dagster as dg
 
 from assets.deployment import Deployment, Node
 from assets.metadata import plain_json
+from assets.mixture import source_pipelines
 from assets.names import ASSETS_COMMAND
 
 
@@ -57,14 +58,16 @@ def verify_inputs(context, dep: Deployment, node: Node, pipe, *, record: bool = 
     from the command line, or before a reverted edit) fails too: materializing it is then a cache
     hit. ``record``: observe the data source. Returns the input fingerprints used, by upstream stage."""
     instance = context.instance
-    src = dep.source_key(node.owner.name)
-    version, shards = source_version(pipe)
-    if record and _latest_version(instance, src) != version:
-        context.log_event(dg.AssetObservation(asset_key=src, tags={"dagster/data_version": version},
-                                              metadata={"shards": len(shards), "observed_by": "stage " + node.stage}))
+    for src, source_pipe in source_pipelines(dep, node, pipe):
+        version, shards = source_version(source_pipe)
+        if record and _latest_version(instance, src) != version:
+            context.log_event(dg.AssetObservation(asset_key=src, tags={"dagster/data_version": version},
+                                                  metadata={"shards": len(shards), "observed_by": "stage " + node.stage}))
     used: dict[str, str] = {}
     for up in pipe.stage(node.stage).upstream:
         key = dep.key(node.name, up)
+        if key not in node.deps:  # a given tokenizer of a mixture reads no data (assets/mixture.py)
+            continue
         want = pipe.address(up).fingerprint
         used[up] = want
         if _latest_version(instance, key) == want:
@@ -78,7 +81,7 @@ def verify_inputs(context, dep: Deployment, node: Node, pipe, *, record: bool = 
 
 def provenance(dep: Deployment, node: Node, pipe, used: Mapping[str, str]) -> dict[str, Any]:
     """The metadata that says what this artifact is: its experiment (and those sharing it), config, inputs."""
-    shared = [dep.key(n, node.stage).to_user_string() for n in dep.shared_with(node.name, node.stage)]
+    shared = [dep.key(n, node.stage).to_user_string() for n in node.shared_with]
     return {
         "experiment": dg.MetadataValue.text(node.name),
         "shared_with": dg.MetadataValue.text(", ".join(shared) or "none"),

@@ -32,6 +32,7 @@ from assets import metadata as md
 from assets.dead_runs import tend
 from assets.deployment import Deployment, Node
 from assets.experiment import Experiment
+from assets.mixture import component_cache_asset, mixture_metadata, node_pipeline
 from assets.names import POOLS
 from assets.provenance import lineage_metadata, provenance, source_version, verify_inputs, what_to_run
 from resources import (
@@ -68,6 +69,11 @@ def stage_assets(dep: Deployment) -> list:
                                  ", ".join(base.input_stages(stage.name)) or "the data's content")}}
         if stage.pool is not None:
             spec["pool"] = POOLS[stage.pool]
+        if node.component is not None:  # a data mixture's component cache (assets/mixture.py)
+            assets.append(component_cache_asset(dep, node, spec))
+            continue
+        if stage.name in ("token_cache", "train_ckpt"):  # the mixture's weights, where they are used
+            spec["metadata"].update(mixture_metadata(base))
         assets.append(special.get(stage.name, _stage_asset)(dep, node, spec))
     return assets
 
@@ -107,7 +113,7 @@ def _observable(key: dg.AssetKey, raw: Node):
                                             "built from it stale. Observed by data_sources_sensor and each run.")
     def _observe(context, store: ArtifactStoreResource) -> dg.ObserveResult:
         tend(context)
-        version, shards = source_version(_run_pipe(raw.owner, store))
+        version, shards = source_version(node_pipeline(raw, _run_pipe(raw.owner, store)))
         return dg.ObserveResult(data_version=dg.DataVersion(version), metadata={
             "shards": dg.MetadataValue.int(len(shards)),
             "shard_fingerprints": dg.MetadataValue.json(shards)})
@@ -150,6 +156,10 @@ def _token_cache_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
         if hit is not None:
             context.log.info(f"token_cache {hit.fingerprint}: cache hit, no shard group to tokenize")
             return
+        if pipe.components():
+            context.log.info(f"token_cache {pipe.address('token_cache').fingerprint}: a mixture's index over its "
+                             "components' caches (each its own asset), written by the commit op")
+            return
         if mode == "ray":
             context.log.info(f"token_cache {pipe.address('token_cache').fingerprint}: the shard groups are tokenized "
                              "as Ray tasks by the commit op")
@@ -177,7 +187,10 @@ def _token_cache_asset(dep: Deployment, node: Node, spec: dict[str, Any]):
                            tokenizing: TokenizingResource):
         pipe = _run_pipe(exp, store)
         used = verify_inputs(context, dep, node, pipe)
-        if tokenizing.validate() == "ray":  # one Ray task per shard group, then the same commit
+        if pipe.components():  # a mixture: the index over the component caches (their own assets)
+            res = pipe.token_cache()
+            tokenized = 0
+        elif tokenizing.validate() == "ray":  # one Ray task per shard group, then the same commit
             res = tokenizing.build_on_ray(pipe, log=context.log.info)
             tokenized = 0 if res.hit else int(res.manifest.get("parts_built", 0))
         else:

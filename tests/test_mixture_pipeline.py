@@ -18,47 +18,16 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from helpers import pipeline as pt
+from helpers.mixture import COMPONENTS, write_mixture
 
 from lm_pipeline.batch import ArrayDataset
 from lm_pipeline.config import load_config
 from lm_pipeline.data.cache import open_cache
-from lm_pipeline.data.config import TokenizerConfig
 from lm_pipeline.data.sources import iter_shard_texts
 from lm_pipeline.faultpoints import FaultInjected
 from lm_pipeline.steps import Pipeline
 from lm_pipeline.train.checkpoint import latest_checkpoint, load
 from lm_pipeline.train.run import train
-
-COMPONENTS = ("web", "code", "books")
-
-
-def given_tokenizer(tmp: Path) -> Path:
-    """A byte-level BPE trained once on other text: a tokenizer that does not depend on the data."""
-    from lm_pipeline.data.tokenizer import build_tokenizer
-
-    out = tmp / "tokenizer"
-    texts = [Path(__file__).read_text(encoding="utf-8")] * 2
-    build_tokenizer(TokenizerConfig(kind="bpe", vocab_size=300), str(out), iter(texts), progress=False)
-    return out
-
-
-def write_mixture(tmp: Path, weights, name: str = "mix.yaml", **data) -> Path:
-    """The tiny experiment with its corpus split into three sources: web (two shards and the
-    validation set), code and books (one shard each)."""
-    raw = pt.tiny_config(tmp)
-    d = raw["data"]
-    train_urls, val = d.pop("train_urls"), d.pop("validation_urls")
-    tok = tmp / "tokenizer"
-    if not tok.exists():
-        given_tokenizer(tmp)
-    d.update({"configs": {"web": {"train_urls": train_urls[:2], "validation_urls": val},
-                          "code": {"train_urls": [train_urls[2]]}, "books": {"train_urls": [train_urls[3]]}},
-              "train_weights": weights, "mixture_block_size": 8, "tokenizer": {"kind": "hf", "name_or_path": str(tok)},
-              **data})
-    path = tmp / name
-    path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
-    return path
 
 
 def single_source(tmp: Path, mix: Path, component: str) -> Pipeline:

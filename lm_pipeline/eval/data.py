@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from lm_pipeline.data.encode import Shard, TokenizerInfo
     from lm_pipeline.data.loader import CacheDataset
     from lm_pipeline.steps import Pipeline
-    from lm_pipeline.steps.mixture import training_splits
 
 __all__ = ["EVAL_CACHE_STAGE", "EvalData", "eval_cache_fingerprint", "eval_datasets"]
 
@@ -194,6 +193,7 @@ def eval_datasets(cfg: RunConfig, tokenizer_dir: str, *, seq_len: int, train: bo
     from lm_pipeline.data.encode import tokenizer_info
     from lm_pipeline.data.loader import open_dataset
     from lm_pipeline.steps import Pipeline
+    from lm_pipeline.steps.mixture import training_splits
 
     pipe = Pipeline(cfg, progress=progress)
     shards = pipe.shards()

@@ -188,3 +188,45 @@ def open_component_datasets(cfg: RunConfig, cache: StageResult):
         else:
             evals[split] = ds
     return train, evals
+
+
+# -- the schedule, as shown ----------------------------------------------------------------------------
+
+
+def schedule_rows(cfg: RunConfig) -> list[dict[str, Any]]:
+    """Per component: its share of rows in each phase (``step <s>`` columns, normalized weights)."""
+    from lm_pipeline.data.mixture import weight_phases
+
+    phases, _ = weight_phases(cfg.data.train_weights)
+    return [{"component": name, **{f"step {step}": round(w.get(name, 0.0) / sum(w.values()), 6) for step, w in phases}}
+            for name in cfg.data.configs]
+
+
+def schedule_png(cfg: RunConfig) -> bytes:
+    """A plot of each component's share of the rows over the run's steps (stacked, one band each)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lm_pipeline.data.mixture import weight_phases
+
+    phases, _ = weight_phases(cfg.data.train_weights)
+    tc = cfg.trainer
+    end = max(tc.num_train_steps or 0, int(phases[-1][0] * 1.25) + 1, 1)
+    steps = [s for s, _ in phases] + [end]
+    fig, ax = plt.subplots(figsize=(6, 3), dpi=100)
+    bottom = [0.0] * len(phases)
+    for name in cfg.data.configs:
+        share = [w.get(name, 0.0) / sum(w.values()) for _, w in phases]
+        ax.stairs([b + s for b, s in zip(bottom, share, strict=True)], steps, baseline=bottom, fill=True, label=name)
+        bottom = [b + s for b, s in zip(bottom, share, strict=True)]
+    ax.set(xlabel="step", ylabel="share of rows", ylim=(0, 1), xlim=(0, end), title="data mixture")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
