@@ -93,6 +93,8 @@ STAGE_OF: dict[str, str | None] = {
     **_each("train_ckpt", "model[llama].", "type seq_len hidden_dim intermediate_dim num_layers num_heads "
             "num_kv_heads head_dim activation_function initializer_range layer_norm_epsilon rope_theta "
             "tie_word_embeddings use_bias upcast_attn use_layer_norm_weight"),
+    **_each("train_ckpt", "model[llama].rope_scaling.", "type factor original_max_position_embeddings "
+            "low_freq_factor high_freq_factor beta_fast beta_slow mscale mscale_all_dim attention_factor"),
     **_each("train_ckpt", "trainer.", "seed num_train_steps num_epochs train_tokens train_batch_size mp "
             "initialize_from max_epochs z_loss_weight"),
     **_each("train_ckpt", "optimizer.", "learning_rate weight_decay beta1 beta2 epsilon max_grad_norm "
@@ -192,6 +194,12 @@ SPECIAL: dict[str, tuple[dict[str, Any], Any]] = {
     "trainer.checkpointer.save_interval": ({}, "11m"),
     "eval.compute_dtype": ({}, "bfloat16"),
     "export.max_shard_size": ({}, "2GB"),
+    # rope_scaling is absent by default: the base has one of the type the field belongs to
+    **{f"model[llama].rope_scaling.{k}": ({"model.rope_scaling": {"type": t}}, v) for k, (t, v) in {
+        "type": ("yarn", "llama3"), "factor": ("yarn", 3.0), "original_max_position_embeddings": ("yarn", 4096),
+        "low_freq_factor": ("llama3", 2.0), "high_freq_factor": ("llama3", 8.0), "beta_fast": ("yarn", 16.0),
+        "beta_slow": ("yarn", 2.0), "mscale": ("yarn", 1.0), "mscale_all_dim": ("yarn", 1.0),
+        "attention_factor": ("yarn", 1.5)}.items()},
     # the eval_harness section is absent by default: the base has one with a task
     **{f"eval_harness.{k}": ({"eval_harness.task_spec": [{"task": "hellaswag"}]}, v) for k, v in {
         "max_examples": 10, "max_eval_length": 32, "log_samples": True, "bootstrap_iters": 10,

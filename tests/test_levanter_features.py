@@ -38,11 +38,11 @@ def test_gradient_checkpointing_policy_names(name, on):
     assert load_config(None, {**LLAMA, "model.gradient_checkpointing": name}).model.gradient_checkpointing is on
 
 
-def test_rope_default_is_rope_theta_and_scaled_rope_is_refused():
+def test_rope_default_is_rope_theta():
     cfg = load_config(None, {**LLAMA, "model.rope": {"type": "default", "theta": 500000, "factor": 1.0}})
-    assert cfg.model.rope_theta == 500000
-    with pytest.raises(ConfigError, match="Levanter's `model.rope` type 'yarn'"):
-        load_config(None, {**LLAMA, "model.rope": {"type": "yarn", "factor": 4.0}})
+    assert cfg.model.rope_theta == 500000 and cfg.model.rope_scaling is None
+    with pytest.raises(ConfigError, match="Levanter's `model.rope`"):
+        load_config(None, {"model.rope": {"type": "yarn", "factor": 4.0}})  # GPT-2: learned positions
 
 
 def test_top_level_epoch_z_loss_and_initialize_from_hf_true(tmp_path):
@@ -213,3 +213,46 @@ def _flat(cfg, prefix=""):
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+ROPES = {
+    "llama3": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8, "theta": 500000},
+    "yarn": {"type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 8,
+             "theta": 10000},
+    "linear": {"type": "linear", "factor": 2.0, "theta": 10000},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPES))
+def test_scaled_rope_matches_transformers(kind):
+    """Levanter's model.rope spelling -> our model's logits equal transformers' Llama with the
+    exported rope_parameters (and its inverse frequencies equal transformers' own computation)."""
+    import jax.numpy as jnp
+    import torch
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from lm_pipeline.models.hf_mapping import hf_config, to_hf_state_dict
+    from lm_pipeline.models.rope import rope_frequencies
+
+    cfg, model = _tiny_llama(**{"model.rope": ROPES[kind], "model.seq_len": 32})
+    assert cfg.rope_scaling.type == kind and cfg.rope_theta == ROPES[kind]["theta"]
+    hf_cfg = transformers.LlamaConfig(**hf_config(cfg, 64))
+    assert hf_cfg.rope_parameters["rope_type"] == kind
+    ref_inv, ref_factor = ROPE_INIT_FUNCTIONS[kind](hf_cfg, "cpu")
+    inv, factor = rope_frequencies(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
+    np.testing.assert_allclose(inv, ref_inv.numpy(), rtol=1e-6)
+    assert factor == pytest.approx(ref_factor)
+    hf = transformers.LlamaForCausalLM(hf_cfg)
+    hf.load_state_dict({k: torch.tensor(np.asarray(v)) for k, v in to_hf_state_dict(model, cfg).items()}, strict=False)
+    hf.eval()
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (2, 32)), jnp.int32)
+    with torch.no_grad():
+        ref = hf(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(tokens, None, key=None, inference=True)), ref, atol=2e-4, rtol=1e-4)
+
+
+def test_plain_levanter_rope_adds_no_scaling():
+    cfg = load_config(None, {**LLAMA, "model.rope": {"type": "default", "theta": 10000, "factor": 1.0}}).model
+    assert cfg.rope_scaling is None and cfg.rope_parameters() == {"rope_type": "default", "rope_theta": 10000}

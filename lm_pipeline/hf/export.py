@@ -131,7 +131,7 @@ def _export_config_json(cfg: LmConfig, vocab: int, dtype: str, ids: Mapping[str,
     if positions is not None:
         conf["n_positions" if isinstance(cfg, Gpt2Config) else "max_position_embeddings"] = positions
     if isinstance(cfg, LlamaConfig):  # transformers >= 5 reads rope_parameters, 4.x rope_theta
-        conf["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        conf["rope_parameters"] = cfg.rope_parameters()
     conf.update(ids)  # explicit nulls too: HF's defaults (GPT-2: 50256) would be wrong here
     conf["dtype"] = dtype
     conf["use_cache"] = True

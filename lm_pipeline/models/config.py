@@ -80,6 +80,37 @@ def _common_llm_trainer_raw(data: dict[str, Any], family: str) -> dict[str, Any]
     return data
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """Scaled rotary embeddings, as transformers' ``rope_parameters`` (``rope_type`` linear, llama3,
+    yarn) and Levanter's ``model.rope`` (``type``) say them."""
+
+    type: Literal["linear", "llama3", "yarn"] = field(help="linear: positions divided by factor; llama3: Llama 3.1's per-wavelength scaling; yarn: YaRN (Peng et al. 2023).")
+    factor: float = field(1.0, help="The context extension factor.")
+    original_max_position_embeddings: int = field(8192, help="llama3, yarn: the context length the model was trained for.")
+    low_freq_factor: float = field(1.0, help="llama3: wavelengths above original / low_freq_factor are scaled.")
+    high_freq_factor: float = field(4.0, help="llama3: wavelengths below original / high_freq_factor are kept.")
+    beta_fast: float = field(32.0, help="yarn: rotations above which frequencies are kept (extrapolated).")
+    beta_slow: float = field(1.0, help="yarn: rotations below which frequencies are interpolated.")
+    mscale: float | None = field(None, help="yarn: with mscale_all_dim, the attention factor's numerator scale.")
+    mscale_all_dim: float | None = field(None, help="yarn: with mscale, the attention factor's denominator scale.")
+    attention_factor: float | None = field(None, help="yarn: the cos/sin scale; null = 0.1 ln(factor) + 1 (transformers' default).")
+
+    def validate(self) -> None:
+        require_positive(self, "factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ConfigError("high_freq_factor", f"must be > low_freq_factor > 0, got {self.high_freq_factor} and "
+                              f"{self.low_freq_factor}")
+
+    def hf_parameters(self) -> dict[str, Any]:
+        """The keys of transformers' ``rope_parameters`` for this scaling (besides rope_theta)."""
+        keys = {"linear": ("factor",),
+                "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+                "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                         "mscale_all_dim", "attention_factor")}[self.type]
+        return {"rope_type": self.type, **{k: getattr(self, k) for k in keys if getattr(self, k) is not None}}
+
+
 #: Levanter's ``gradient_checkpointing`` policies by name -> ours (recompute each block in the
 #: backward pass, or keep every activation). Host offloading and nested (sqrt) remat are memory
 #: schemes: each recomputes per block here, with the same results.
@@ -105,25 +136,27 @@ def _levanter_model_raw(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _levanter_rope_raw(data: dict[str, Any]) -> dict[str, Any]:
-    """Levanter's ``rope: {type: default, theta: T, factor: 1.0}`` is ``rope_theta: T``; scaled
-    rotary embeddings (linear factor, llama3, yarn) are refused in one line."""
+    """Levanter's ``rope: {type: T, theta: X, ...}`` is ``rope_theta: X`` and, for a scaled type
+    (linear with a factor other than 1, llama3, yarn), ``rope_scaling: {type: T, ...}``; its keys
+    mean what transformers' ``rope_parameters`` keys of the same name mean."""
     if "rope" not in data:
         return data
     rope = data.pop("rope")
     rope = {"type": "default"} if rope is None else rope
     if not isinstance(rope, dict):
         raise ConfigError("rope", f"expected a mapping (type, theta, ...), got {rope!r}")
-    kind, factor = rope.get("type", "default"), rope.get("factor", 1.0)
-    if kind not in ("default", "linear") or factor != 1.0:
-        raise ConfigError("rope", f"Levanter's `model.rope` type {kind!r} (scaled rotary embeddings) is not supported "
-                          "here: use rope: {type: default, theta: ...} or model.rope_theta")
-    unknown = sorted(set(rope) - {"type", "theta", "factor"})
-    if unknown:
-        raise ConfigError(f"rope.{unknown[0]}", "unknown key; the default rope takes theta (and factor: 1.0)")
+    rope = dict(rope)
     if "theta" in rope:
-        if "rope_theta" in data and data["rope_theta"] != rope["theta"]:
+        theta = rope.pop("theta")
+        if "rope_theta" in data and data["rope_theta"] != theta:
             raise ConfigError("rope.theta", "given together with rope_theta; keep one")
-        data["rope_theta"] = rope["theta"]
+        data["rope_theta"] = theta
+    kind = rope.get("type", "default")
+    if kind in ("default", "linear") and rope.get("factor", 1.0) == 1.0 and set(rope) <= {"type", "factor"}:
+        return data  # the plain rope
+    if "rope_scaling" in data:
+        raise ConfigError("rope", "given together with rope_scaling; keep one")
+    data["rope_scaling"] = {**rope, "type": "linear" if kind == "default" else kind}
     return data
 
 
@@ -248,6 +281,7 @@ class LlamaConfig(LmConfig):
     use_bias: bool = field(False, help="Biases in the attention and MLP projections (HF attention_bias and mlp_bias).")
     upcast_attn: bool = field(False, help="Compute attention in float32.")
     gradient_checkpointing: bool = field(True, help="Recompute each block's activations in the backward pass (saves memory, same results). Levanter's policy names: nested, offload, recompute, full = true; save_all = false.", semantic=False)
+    rope_scaling: RopeScaling | None = field(None, help="Scaled rotary embeddings (type: linear, llama3 or yarn, and their keys as transformers' rope_parameters), exported to config.json's rope_parameters; null = the plain rope. Levanter's `rope: {type, theta, ...}` is rope_theta plus this.", hashed_at_default=False)
     use_layer_norm_weight: bool = field(True, help="RMSNorms scale by a learned weight; false = no scale (Levanter's OLMo-style norms; the weight stays at ones, so exports load in transformers unchanged).", hashed_at_default=False)
 
     @classmethod
@@ -263,6 +297,11 @@ class LlamaConfig(LmConfig):
                     raise ConfigError(key, f"{value!r}: the llama family has no dropout here; use {key}: 0, or "
                                       "type: gpt2 (resid/embed/attn dropout)")
         return data
+
+    def rope_parameters(self) -> dict[str, Any]:
+        """transformers' ``rope_parameters`` of this model (``rope_type``, ``rope_theta``, scaling keys)."""
+        scaled = self.rope_scaling.hf_parameters() if self.rope_scaling is not None else {"rope_type": "default"}
+        return {**scaled, "rope_theta": self.rope_theta}
 
     @property
     def head_size(self) -> int:

@@ -59,6 +59,7 @@ def hf_config(cfg: LmConfig, vocab_size: int) -> dict[str, Any]:
             "initializer_range": cfg.initializer_range,
             "rms_norm_eps": cfg.layer_norm_epsilon,
             "rope_theta": cfg.rope_theta,
+            **({"rope_scaling": cfg.rope_parameters()} if cfg.rope_scaling is not None else {}),
             "tie_word_embeddings": cfg.tie_word_embeddings,
             "attention_bias": cfg.use_bias,
             "mlp_bias": cfg.use_bias,

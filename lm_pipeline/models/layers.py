@@ -348,12 +348,22 @@ def decode_mask(position: jax.Array | int, length: int, max_len: int) -> jax.Arr
 # ----------------------------------------------------------------------------- rotary
 
 
-def rotary_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """positions int [..., T] -> (cos, sin) f32 [..., T, head_dim], HF Llama's default rope."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=F32) / head_dim))
-    freqs = positions[..., None].astype(F32) * inv_freq
+def rotary_cos_sin(positions: jax.Array, head_dim: int, theta: float,
+                   scaling: Any = None) -> tuple[jax.Array, jax.Array]:
+    """positions int [..., T] -> (cos, sin) f32 [..., T, head_dim], HF Llama's rope: the default one,
+    or scaled as ``scaling`` (a :class:`~lm_pipeline.models.config.RopeScaling`) says
+    (:func:`~lm_pipeline.models.rope.rope_frequencies`)."""
+    from lm_pipeline.models.rope import rope_frequencies
+
+    if scaling is None:
+        inv_freq, factor = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=F32) / head_dim)), 1.0
+    else:
+        inv_freq, factor = rope_frequencies(head_dim, theta, scaling)
+    freqs = positions[..., None].astype(F32) * jnp.asarray(inv_freq)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if factor == 1.0:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * factor, jnp.sin(emb) * factor
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -122,7 +122,7 @@ class LlamaModel(LmModel):
 
     def _trunk(self, x, mask, positions, plan: ComputePlan, *, cache: KVCache | None = None, position: Any = 0):
         cfg = self.config
-        rope = rotary_cos_sin(positions, cfg.head_size, cfg.rope_theta)
+        rope = rotary_cos_sin(positions, cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
 
         def apply(block, h, kv):
             return block(h, cfg, mask, rope, kv, position, plan)
