@@ -77,8 +77,6 @@ LEVANTER_KEYS: tuple[LevanterKey, ...] = (
        "no_effect", "checkpoints always go under <base_path>/<run id>; trainer.id names that directory"),
     _k("trainer.tracker.save_xla_dumps", "uploading XLA dumps to wandb", "no_effect", "no XLA dumps are written"),
     # --- what, not how: refused until implemented ------------------------------------------
-    _k("trainer.quantization", "fp8 / int8 quantized training", "refused",
-       "remove it (training runs in trainer.mp)"),
     _k("model.rope", "the rotary embedding and its scaling", "refused",
        "GPT-2 has learned positions; rotary embeddings are the llama family's (type: llama)"),
     _k("model.use_layer_norm_weight", "norms without a learned scale", "refused",
@@ -95,7 +93,7 @@ LEVANTER_KEYS: tuple[LevanterKey, ...] = (
 _BY_PATH = {k.path: k for k in LEVANTER_KEYS}
 
 #: Levanter keys whose value null means "Levanter's default": accepted silently when null.
-NULL_IS_DEFAULT = ("trainer.quantization", "optimizer.cooldown", "optimizer.haps", "optimizer.weight_decay_modules",
+NULL_IS_DEFAULT = ("optimizer.cooldown", "optimizer.haps", "optimizer.weight_decay_modules",
                    "optimizer.default_weight_decay_mask", "model.cross_entropy_block_size",
                    "model.flash_attention_block_size", "model.attn_backend")
 

@@ -121,3 +121,21 @@ def test_wandb_offline_or_with_a_key_passes_the_check(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE")
     (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc123\n")
     assert tracker_problems([online]) == []
+
+
+def test_fp8_is_refused_before_any_compute_naming_the_field_and_the_device(tmp_path):
+    from lm_pipeline.train.quantization import QuantizationConfig
+
+    path = tmp_path / "fp8.yaml"
+    path.write_text(yaml.safe_dump({"model": {"type": "gpt2", "hidden_dim": 32, "num_heads": 2, "num_layers": 1},
+                                    "trainer": {"quantization": {"fp8": True}}}), encoding="utf-8")
+    res = _cli(["train", "--config_path", str(path), "--store.root", str(tmp_path / "store")],
+               env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "trainer.quantization.fp8" in errors[0] and "device is cpu" in errors[0]
+    assert not (tmp_path / "store").exists()
+    on_h100 = QuantizationConfig(fp8=True).device_problem("NVIDIA H100 80GB HBM3", True)
+    assert "NVIDIA H100" in str(on_h100) and "not implemented" in str(on_h100)
+    assert QuantizationConfig().device_problem("cpu", False) is None
+    assert load_config(None, {"trainer.quantization": None}).trainer.quantization is None

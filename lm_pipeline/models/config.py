@@ -82,8 +82,10 @@ def _common_llm_trainer_raw(data: dict[str, Any], family: str) -> dict[str, Any]
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Scaled rotary embeddings, as transformers' ``rope_parameters`` (``rope_type`` linear, llama3,
-    yarn) and Levanter's ``model.rope`` (``type``) say them."""
+    """Scaled rotary embeddings (linear, llama3, yarn): transformers' rope_parameters keys and meanings.
+
+    Levanter's ``model.rope`` with a scaled ``type`` becomes this section (its ``theta`` is
+    ``rope_theta``)."""
 
     type: Literal["linear", "llama3", "yarn"] = field(help="linear: positions divided by factor; llama3: Llama 3.1's per-wavelength scaling; yarn: YaRN (Peng et al. 2023).")
     factor: float = field(1.0, help="The context extension factor.")

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from lm_pipeline.schema import ConfigError, field
 from lm_pipeline.train.batch_split import batch_split_problem
 from lm_pipeline.train.checkpoint import CheckpointerConfig
+from lm_pipeline.train.quantization import QuantizationConfig, device_fp8
 from lm_pipeline.train.trackers import TrackerConfig
 
 # Spelling -> JAX dtype name. Names, not dtypes, so that validating a config needs no JAX.
@@ -194,6 +195,7 @@ class TrainerConfig:
     parameter_axis_resources: dict[str, str | None] | None = field(None, help="Advanced: logical -> mesh axis mapping for parameters at rest.", semantic=False)
     compute_axis_resources: dict[str, str | None] | None = field(None, help="Advanced: logical -> mesh axis mapping during compute.", semantic=False)
     distributed: DistributedConfig = field(default_factory=DistributedConfig, help="Multi-host start-up.", semantic=False)
+    quantization: QuantizationConfig | None = field(None, help="Levanter's quantized training ({fp8: true}): checked against the device before any compute and refused there (see its fields); null or all false = none.", hashed_at_default=False)
 
     def __post_init__(self) -> None:
         # ``mp: auto`` becomes the concrete policy here, once, so that everything reading the config
@@ -296,7 +298,12 @@ class TrainerConfig:
         return parse_mp(resolve_mp(AUTO_MP, platform)) if self.mp_is_auto else self.precision
 
     def check_devices(self, num_devices: int) -> None:
-        """Errors for settings that cannot work on ``num_devices`` devices (raised before compute)."""
+        """Errors for settings that cannot work on ``num_devices`` devices, or on their kind
+        (quantization), raised before compute."""
+        if self.quantization is not None and (self.quantization.fp8 or self.quantization.int8):
+            problem = self.quantization.device_problem(*device_fp8())
+            if problem is not None:
+                raise problem
         if num_devices % self.model_axis_size:
             raise ConfigError(
                 "trainer.model_axis_size",
