@@ -178,10 +178,6 @@ def test_levanter_model_averaging_trains_and_evaluation_reads_the_average(tmp_pa
     """trainer.model_averaging as Levanter writes it: the checkpoint keeps the raw weights (to resume)
     and the average; loading for evaluation or export gives the average, not the last weights (the
     average's arithmetic is checked against NumPy above)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from helpers import pipeline as pt
 
     from lm_pipeline.eval.loading import MODEL_SUBTREE, load_model_from_checkpoint
