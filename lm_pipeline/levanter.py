@@ -43,24 +43,24 @@ def _k(path: str, does: str, status: Literal["no_effect", "refused"], here: str)
 LEVANTER_KEYS: tuple[LevanterKey, ...] = (
     # --- how, not what: accepted, no effect on results -------------------------------------
     _k("data.cache_options", "batch size, shard groups and flush size of its cache builder", "no_effect",
-       "the token cache builder sizes its own batches and flushes; its unit of work is data.shard_group_size "
-       "shards, and data.num_workers sets the tokenizing processes"),
+       "the token cache builder sizes its own batches and flushes; its unit of work is `data.shard_group_size` "
+       "shards, and `data.num_workers` sets the tokenizing processes"),
     _k("model.flash_attention_block_size", "the block size of its flash attention", "no_effect",
        "the compute plan picks the attention kernel and its blocks for the device (docs/architecture.md, "
        "one compute seam)"),
     _k("model.attn_backend", "which attention implementation to use", "no_effect",
-       "the compute plan picks the attention form for the device; $LM_PIPELINE_ATTENTION overrides it"),
+       "the compute plan picks the attention form for the device; `$LM_PIPELINE_ATTENTION` overrides it"),
     _k("model.cross_entropy_block_size", "the vocabulary block of its blockwise cross-entropy", "no_effect",
        "the compute plan chooses full logits or the fused LM head + cross-entropy in chunks"),
     _k("model.scan_layers", "whether the layer stack is a scan", "no_effect",
        "the compute plan decides how many layers are unrolled; the results are the same"),
     _k("model.reference_checkpoint", "the Hugging Face model whose config an export copies", "no_effect",
-       "exports write their own config.json from the model section (with initialize_from_hf: true it is "
+       "exports write their own config.json from the model section (with `initialize_from_hf: true` it is "
        "the model to start from)"),
     _k("trainer.ray", "starting Ray workers from the trainer", "no_effect",
        "Ray runs through lm-pipeline's Ray launcher (docs/cluster.md), not from the trainer section"),
     _k("trainer.require_accelerator", "failing when no accelerator is found", "no_effect",
-       "the run uses the devices JAX finds; trainer.mp: auto picks the precision for them"),
+       "the run uses the devices JAX finds; `trainer.mp: auto` picks the precision for them"),
     _k("trainer.jax_config", "jax.config options set at start-up", "no_effect",
        "JAX's own defaults are used (jax_threefry_partitionable is already on in this JAX)"),
     _k("trainer.profiler", "the JAX profiler around some steps", "no_effect",
@@ -74,16 +74,15 @@ LEVANTER_KEYS: tuple[LevanterKey, ...] = (
     _k("trainer.allow_nondivisible_batch_size", "a batch that does not divide the devices", "no_effect",
        "the batch must divide the data-parallel devices (checked before any compute)"),
     _k("trainer.checkpointer.append_run_id_to_base_path", "whether checkpoints go under <base_path>/<run id>",
-       "no_effect", "checkpoints always go under <base_path>/<run id>; trainer.id names that directory"),
+       "no_effect", "checkpoints always go under `<base_path>/<run id>`; `trainer.id` names that directory"),
     _k("trainer.tracker.save_xla_dumps", "uploading XLA dumps to wandb", "no_effect", "no XLA dumps are written"),
     # --- what, not how: refused until implemented ------------------------------------------
     _k("model.rope", "the rotary embedding and its scaling", "refused",
        "GPT-2 has learned positions; rotary embeddings are the llama family's (type: llama)"),
     _k("model.use_layer_norm_weight", "norms without a learned scale", "refused",
-       "GPT-2's LayerNorms always have a scale here; the llama family has use_layer_norm_weight"),
-    _k("optimizer.gamma", "Sophia's clipping threshold", "refused", "remove it with optimizer.type"),
-    _k("optimizer.cooldown", "a cooldown phase of the schedule", "refused", "use optimizer.decay (WSD)"),
-    _k("optimizer.haps", "learning-rate cycle boundaries", "refused", "use optimizer.cycles"),
+       "GPT-2's LayerNorms always have a scale here; the llama family has `use_layer_norm_weight`"),
+    _k("optimizer.cooldown", "a cooldown phase of the schedule", "refused", "use `optimizer.decay` (WSD)"),
+    _k("optimizer.haps", "learning-rate cycle boundaries", "refused", "use `optimizer.cycles`"),
     _k("optimizer.weight_decay_modules", "which modules get weight decay", "refused",
        "weight decay applies to matrices here; remove it"),
     _k("optimizer.default_weight_decay_mask", "the default weight decay mask", "refused",

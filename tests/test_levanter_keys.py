@@ -139,3 +139,14 @@ def test_fp8_is_refused_before_any_compute_naming_the_field_and_the_device(tmp_p
     assert "NVIDIA H100" in str(on_h100) and "not implemented" in str(on_h100)
     assert QuantizationConfig().device_problem("cpu", False) is None
     assert load_config(None, {"trainer.quantization": None}).trainer.quantization is None
+
+
+def test_the_training_guide_lists_each_levanter_key_with_what_happens_to_it():
+    from lm_pipeline.levanter import LEVANTER_KEYS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text(encoding="utf-8")
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    for key in LEVANTER_KEYS:
+        status = {"no_effect": "no effect", "refused": "refused"}[key.status]
+        assert any(row.startswith(f"| `{key.path}`") and f"| {status} |" in row for row in rows), key.path
+    assert "runs as it is" not in text

@@ -212,6 +212,10 @@ class TrainerConfig:
     @classmethod
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
         data = _llm_trainer_raw(data)
+        for key in ("train_batch_size", "batch_size"):
+            if isinstance(data.get(key), (list, tuple)):
+                raise ConfigError(key, "Levanter's batch-size schedule (`train_batch_size: [{start, value}, ...]`, "
+                                  "a batch size per range of steps) is not supported here: give one train_batch_size")
         tracker = data.get("tracker")
         if isinstance(tracker, dict):
             tracker = [tracker]
