@@ -89,8 +89,11 @@ def test_a_mixture_through_dagster(tmp_path):
     index = pipe.cached("token_cache").manifest["components"]
     assert {c: index[c]["fingerprint"] for c in COMPONENTS} == {
         c: mats[f"components/{c}/token_cache"].tags["dagster/data_version"] for c in COMPONENTS}
-    rows = {r["dataset"] for r in pipe.cached("eval_report").manifest["rows"]}
-    assert rows == {"web/validation", "_micro", "_macro"}
+    rows = {r["dataset"]: r for r in pipe.cached("eval_report").manifest["rows"]}
+    assert set(rows) == {"web/validation", "_micro", "_macro"}
+    compared = mats["experiments/comparison"].metadata["comparison"].value.records[0].data
+    assert compared["bpb_by_set"] == f"web/validation {rows['web/validation']['bpb']:.4g}"
+    assert compared["macro_bpb"] == pytest.approx(rows["_macro"]["bpb"])
     assert stale_keys(folder, instance) == set() == plan_misses(folder)
 
     # one source's file edited and observed: its cache and what reads the mixture are stale, as planned

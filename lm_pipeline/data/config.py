@@ -106,18 +106,17 @@ class SourceConfig:
                 del data[key]
         return data
 
+    def urls(self) -> list[tuple[str, str]]:
+        """(field, URL or path) of every shard location this source names."""
+        return [(where, url) for where, urls in (("train_urls", self.train_urls), ("validation_urls", self.validation_urls),
+                                                 *((f"validation.{n}", u) for n, u in self.validation.items()))
+                for url in urls]
+
     def url_problems(self) -> list[tuple[str, str]]:
         """(field, problem) for each shard URL this machine cannot open (:func:`lm_pipeline.fs.url_problem`)."""
         from lm_pipeline.fs import url_problem
 
-        out = []
-        for where, urls in (("train_urls", self.train_urls), ("validation_urls", self.validation_urls),
-                            *((f"validation.{n}", u) for n, u in self.validation.items())):
-            for url in urls:
-                problem = url_problem(url)
-                if problem:
-                    out.append((where, problem))
-        return out
+        return [(where, problem) for where, url in self.urls() if (problem := url_problem(url))]
 
     def train_sources(self) -> list[str]:
         """Names of the fields that provide training data (at most one may be set)."""

@@ -23,8 +23,8 @@ from lm_pipeline.steps.result import Address, StageResult
 NAME = "comparison"
 CODE_VERSION = 1
 COLUMNS = ("experiment", "model", "params", "step", "train_tokens", "train_seconds", "eval_loss", "bpb",
-           "unigram_bpb", "bpb_vs_unigram", "eval_report", "train_ckpt")
-_TEXT_COLUMNS = ("experiment", "model", "eval_report", "train_ckpt")
+           "macro_bpb", "unigram_bpb", "bpb_vs_unigram", "bpb_by_set", "eval_report", "train_ckpt")
+_TEXT_COLUMNS = ("experiment", "model", "bpb_by_set", "eval_report", "train_ckpt")
 
 
 def _micro(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
@@ -45,9 +45,13 @@ def experiment_row(name: str, pipe) -> dict[str, Any]:
         row["train_tokens"] = int(step) * pipe.cfg.trainer.train_batch_size * pipe.cfg.model.seq_len
     report = pipe.cached("eval_report")
     if report is not None:
-        micro = _micro(report.manifest.get("rows") or [])
+        sets = report.manifest.get("rows") or []
+        micro = _micro(sets)
         row.update(eval_report=report.fingerprint, params=micro.get("num_params"), eval_loss=micro.get("loss"),
-                   bpb=micro.get("bpb"), unigram_bpb=micro.get("unigram_bpb"))
+                   bpb=micro.get("bpb"), unigram_bpb=micro.get("unigram_bpb"),
+                   macro_bpb=next((r.get("bpb") for r in sets if r.get("kind") == "macro"), None),
+                   bpb_by_set=", ".join(f"{r['dataset']} {r['bpb']:.4g}" for r in sets  # a mixture: per component
+                                        if r.get("kind") == "dataset" and r.get("bpb") is not None))
         if row["bpb"] is not None and row["unigram_bpb"]:
             row["bpb_vs_unigram"] = row["bpb"] / row["unigram_bpb"]
     return row

@@ -112,6 +112,16 @@ def cache_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
             for name, sub in pipe.components().items()}
 
 
+def url_locations(data: Any) -> list[tuple[str, str]]:
+    """(config field, URL or path) of every location a mixture's components read or write."""
+    out = []
+    for name, comp in getattr(data, "configs", {}).items():
+        where = f"data.configs.{name}"
+        out += [(f"{where}.cache_dir", comp.cache_dir)] if comp.cache_dir else []
+        out += [(f"{where}.{field}", u) for field, u in comp.urls()]
+    return out
+
+
 def run_semantics(cfg: RunConfig) -> dict[str, Any]:
     """What a mixture adds to the run's semantic config: the components in order (the blocks'
     layout follows it) and the draw fields set. Empty without a mixture."""

@@ -182,10 +182,8 @@ class Pipeline:
         out = [("store.root", self.store.root)]
         if data.cache_dir:
             out.append(("data.cache_dir", data.cache_dir))
-        out += [(f"data.{where}", u) for where, urls in (("train_urls", data.train_urls),
-                                                         ("validation_urls", data.validation_urls),
-                                                         *((f"validation.{n}", u) for n, u in data.validation.items()))
-                for u in urls]
+        out += [(f"data.{where}", u) for where, u in data.urls()]
+        out += mixture.url_locations(data)
         tc = cfg.trainer
         for where, value in (("data.tokenizer.name_or_path", data.tokenizer.name_or_path if data.tokenizer.kind == "hf" else None),
                              ("trainer.checkpointer.base_path", tc.checkpointer.base_path),
