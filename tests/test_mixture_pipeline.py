@@ -25,6 +25,7 @@ from lm_pipeline.config import load_config
 from lm_pipeline.data.cache import open_cache
 from lm_pipeline.data.sources import iter_shard_texts
 from lm_pipeline.faultpoints import FaultInjected
+from lm_pipeline.schema import ConfigError
 from lm_pipeline.steps import Pipeline
 from lm_pipeline.train.checkpoint import latest_checkpoint, load
 from lm_pipeline.train.run import train
@@ -184,3 +185,14 @@ def test_the_run_ends_where_the_stop_strategy_says(tmp_path):
         step += 1
     res = train(cfg, train_data=components(), vocab_size=50, run_dir=str(tmp_path / "run"))
     assert res.final_step == step and 0 < step < 50
+
+
+def test_a_component_without_training_data_is_refused_before_any_work(tmp_path):
+    mix = write_mixture(tmp_path, {"web": 1})
+    raw = yaml.safe_load(mix.read_text(encoding="utf-8"))
+    raw["data"]["configs"]["books"] = {"validation_urls": raw["data"]["configs"]["books"].pop("train_urls")}
+    mix.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    pipe = Pipeline(load_config(mix), progress=False)
+    with pytest.raises(ConfigError, match=r"data\.configs\.books.*has no training data"):
+        pipe.plan()
+    assert not (tmp_path / "store").exists()
