@@ -22,7 +22,7 @@ from lm_pipeline.eval.config import EvalConfig
 from lm_pipeline.eval.harness_config import EvalHarnessConfig
 from lm_pipeline.hf.config import ExportConfig
 from lm_pipeline.models import Gpt2Config, LmConfig
-from lm_pipeline.schema import ConfigError, field, from_dict, to_dict
+from lm_pipeline.schema import ConfigError, field, from_dict, raise_problems, to_dict
 from lm_pipeline.train.config import TrainerConfig
 from lm_pipeline.train.optim_config import OptimizerConfig
 
@@ -57,6 +57,10 @@ class RunConfig:
             raise ConfigError("initialize_from_hf", "must not be empty (or null)")
         if self.initialize_from_hf and self.trainer.initialize_from:
             raise ConfigError("initialize_from_hf", "give initialize_from_hf or trainer.initialize_from, not both")
+        if self.data.configs:  # a mixture's run length is never in epochs
+            from lm_pipeline.data.mixture import length_problems
+
+            raise_problems([ConfigError(where, problem) for where, problem in length_problems(self.trainer)])
 
     @classmethod
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:

@@ -196,3 +196,11 @@ def test_a_component_without_training_data_is_refused_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match=r"data\.configs\.books.*has no training data"):
         pipe.plan()
     assert not (tmp_path / "store").exists()
+
+
+def test_a_mixture_run_length_in_epochs_is_refused_when_the_config_loads(tmp_path):
+    mix = write_mixture(tmp_path, {"web": 1})
+    with pytest.raises(ConfigError) as info:
+        load_config(mix, ["--trainer.num_train_steps", "null", "--trainer.num_epochs", "2", "--trainer.max_epochs", "3"])
+    found = {p.path for p in getattr(info.value, "problems", (info.value,))}
+    assert found == {"trainer.num_epochs", "trainer.max_epochs"}

@@ -477,16 +477,24 @@ def mixture_source(cfg: DataConfig, datasets: Mapping[str, SequenceDataset], bat
                               process_count=process_count, shuffle=cfg.shuffle, era_length=cfg.era_length)
 
 
+def length_problems(trainer: Any) -> list[tuple[str, str]]:
+    """(field, problem) of a run length that has no meaning over a mixture: one in epochs."""
+    out = []
+    if trainer.num_train_steps is None and trainer.train_tokens is None and trainer.num_epochs is not None:
+        out.append(("trainer.num_epochs", "a mixture's length is given by num_train_steps or train_tokens (and "
+                    "data.stop_strategy), not in epochs of its components; give num_train_steps"))
+    if trainer.max_epochs is not None:
+        out.append(("trainer.max_epochs", "does not apply to a mixture (its end is data.stop_strategy); remove it"))
+    return out
+
+
 def mixture_num_steps(source: MixtureBatchSource, trainer: Any, seq_len: int) -> int:
     """A mixed run's steps: ``trainer.num_train_steps`` (or ``train_tokens``), cut where the
     mixture ends under its stop strategy. Epochs have no meaning over a mixture (refused)."""
     from lm_pipeline.schema import ConfigError
 
-    if trainer.num_train_steps is None and trainer.train_tokens is None and trainer.num_epochs is not None:
-        raise ConfigError("trainer.num_epochs", "a mixture's length is given by num_train_steps or train_tokens "
-                          "(and data.stop_strategy), not in epochs of its components; give num_train_steps")
-    if trainer.max_epochs is not None:
-        raise ConfigError("trainer.max_epochs", "does not apply to a mixture (its end is data.stop_strategy); remove it")
+    for where, problem in length_problems(trainer):
+        raise ConfigError(where, problem)
     steps = trainer.resolve_num_steps(None, seq_len)
     end = source.num_steps
     if end is not None and end < steps:
