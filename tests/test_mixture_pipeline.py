@@ -24,6 +24,7 @@ from lm_pipeline.batch import ArrayDataset
 from lm_pipeline.config import load_config
 from lm_pipeline.data.cache import open_cache
 from lm_pipeline.data.sources import iter_shard_texts
+from lm_pipeline.data.validation import DataValidationError
 from lm_pipeline.faultpoints import FaultInjected
 from lm_pipeline.schema import ConfigError
 from lm_pipeline.steps import Pipeline
@@ -204,3 +205,16 @@ def test_a_mixture_run_length_in_epochs_is_refused_when_the_config_loads(tmp_pat
         load_config(mix, ["--trainer.num_train_steps", "null", "--trainer.num_epochs", "2", "--trainer.max_epochs", "3"])
     found = {p.path for p in getattr(info.value, "problems", (info.value,))}
     assert found == {"trainer.num_epochs", "trainer.max_epochs"}
+
+
+def test_a_components_data_problem_names_the_components_field(tmp_path):
+    mix = write_mixture(tmp_path, {"web": 1, "books": 1})
+    raw = yaml.safe_load(mix.read_text(encoding="utf-8"))
+    books = tmp_path / "books-untexted.jsonl"
+    books.write_text(json.dumps({"content": "no text key"}) + "\n", encoding="utf-8")
+    raw["data"]["configs"]["books"] = {"train_urls": [str(books)], "on_invalid": "skip"}
+    mix.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    with pytest.raises(DataValidationError) as info:
+        Pipeline(load_config(mix), progress=False).token_cache()
+    assert info.value.source == "data.configs.books.train_urls"
+    assert "point data.configs.books.train_urls at data" in str(info.value)

@@ -19,11 +19,14 @@ The mixture's own stages are indexes: ``raw_shards`` lists the components' shard
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from lm_pipeline.fingerprint import semantic_view
-from lm_pipeline.schema import ConfigError
+from lm_pipeline.schema import ConfigError, ConfigProblems
 
 if TYPE_CHECKING:
     from lm_pipeline.config import RunConfig
@@ -90,8 +93,32 @@ def shards(parent: Pipeline) -> dict[str, list]:
             raise ConfigError(f"data.configs.{name}", "has no training data; every component of a mixture is "
                               "trained on: give it train_urls, id (hf_id) or builtin, or move its validation "
                               "sets under another component's validation")
-        out.update({f"{name}/{split}": found for split, found in sub.shards().items()})
+        with naming(name):
+            out.update({f"{name}/{split}": found for split, found in sub.shards().items()})
     return out
+
+
+@contextlib.contextmanager
+def naming(name: str) -> Iterator[None]:
+    """A component's data problems named by its own fields: ``data.configs.<name>.train_urls``,
+    not the ``data.train_urls`` of the component's pipeline."""
+    from lm_pipeline.data.config import SourceConfig
+    from lm_pipeline.data.validation import DataValidationError
+
+    fields = "|".join(f.name for f in dataclasses.fields(SourceConfig))
+    pattern = re.compile(rf"(?<![\w.-])data\.(?=(?:{fields})\b)")
+
+    def own(text: str) -> str:
+        return pattern.sub(f"data.configs.{name}.", text)
+
+    try:
+        yield
+    except DataValidationError as e:
+        raise DataValidationError(own(e.source), e.location, e.reason, own(e.detail), own(e.hint)) from None
+    except ConfigError as e:
+        if isinstance(e, ConfigProblems) or not e.path.startswith("data."):
+            raise
+        raise ConfigError(own(e.path), own(e.message)) from None
 
 
 def training_splits(all_shards: dict[str, list]) -> list[str]:
@@ -136,7 +163,10 @@ def run_semantics(cfg: RunConfig) -> dict[str, Any]:
 
 def raw_shards(ctx: BuildContext, inputs: Inputs) -> StageResult:
     """Each component's ``raw_shards`` (built or a hit), indexed: splits ``<component>/<split>``."""
-    built = {name: sub.raw_shards() for name, sub in ctx.components().items()}
+    built = {}
+    for name, sub in ctx.components().items():
+        with naming(name):
+            built[name] = sub.raw_shards()
 
     def write(path: str):
         splits = {f"{name}/{split}": rows for name, res in built.items()
@@ -152,7 +182,10 @@ def raw_shards(ctx: BuildContext, inputs: Inputs) -> StageResult:
 def token_cache(ctx: BuildContext, inputs: Inputs) -> StageResult:
     """Each component's ``token_cache`` (built or a hit), indexed."""
     tok = inputs["tokenizer"]
-    built = {name: sub.token_cache() for name, sub in ctx.components().items()}
+    built = {}
+    for name, sub in ctx.components().items():
+        with naming(name):
+            built[name] = sub.token_cache()
 
     def write(path: str):
         splits = {f"{name}/{split}": counts for name, res in built.items()
