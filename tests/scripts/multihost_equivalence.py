@@ -2,6 +2,9 @@
 
 usage: multihost_equivalence.py OUT_DIR NUM_PROCESSES PROCESS_ID [COORDINATOR]
 
+With ``$MULTIHOST_MIXTURE=1`` the training rows are a data mixture of two components (the first
+12 and the last 8 rows, weighed 3 : 1, then 1 : 1 from step 2; tests/test_mixture_multihost.py).
+
 With NUM_PROCESSES 1 it is an ordinary one-process run (one CPU device); with more, one process
 of a jax.distributed run on loopback. Writes ``OUT_DIR/process-<id>.json``: the per-step training
 losses, the eval losses, and the rows of every train and eval batch that reached this process's
@@ -12,6 +15,7 @@ gathered across processes, to ``OUT_DIR/params.npz``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -40,6 +44,18 @@ def make_rows(n: int, seed: int) -> np.ndarray:
     return rows
 
 
+#: The mixture of ``$MULTIHOST_MIXTURE=1``: its config and where each component's rows start.
+MIXTURE = {"data.configs": {"a": {"train_urls": ["a.jsonl"]}, "b": {"train_urls": ["b.jsonl"]}},
+           "data.train_weights": [[0, {"a": 3, "b": 1}], [2, {"a": 1, "b": 1}]], "data.mixture_block_size": 4}
+MIXTURE_SPLIT = 12
+
+
+def mixed(train: ArrayDataset) -> dict[str, ArrayDataset]:
+    """The training rows as the mixture's two components."""
+    return {"a": ArrayDataset(train.rows[:MIXTURE_SPLIT].ravel(), SEQ_LEN),
+            "b": ArrayDataset(train.rows[MIXTURE_SPLIT:].ravel(), SEQ_LEN)}
+
+
 def datasets() -> tuple[ArrayDataset, ArrayDataset]:
     """(train, eval): the same in every process and in the test."""
     return ArrayDataset(make_rows(TRAIN_ROWS, 0).ravel(), SEQ_LEN), ArrayDataset(make_rows(EVAL_ROWS, 1).ravel(), SEQ_LEN)
@@ -54,7 +70,8 @@ def main(out_dir: str, nproc: int, pid: int, coordinator: str | None) -> None:
     from lm_pipeline.train import run
     from lm_pipeline.train.trainer import Hook
 
-    overrides = dict(CONFIG, **{"trainer.log_dir": f"{out_dir}/logs"})
+    mixture = os.environ.get("MULTIHOST_MIXTURE") == "1"
+    overrides = dict(CONFIG, **{"trainer.log_dir": f"{out_dir}/logs"}, **(MIXTURE if mixture else {}))
     if nproc > 1:
         overrides.update({"trainer.distributed.coordinator_address": coordinator,
                           "trainer.distributed.num_processes": nproc, "trainer.distributed.process_id": pid})
@@ -96,7 +113,7 @@ def main(out_dir: str, nproc: int, pid: int, coordinator: str | None) -> None:
     losses: dict[int, float] = {}
     hook = Hook(lambda info: losses.__setitem__(info.step, info.metrics["train/loss"]), every=1)
     train_data, eval_data = datasets()
-    res = run.train(cfg, train_data=train_data, vocab_size=VOCAB, eval_data={"val": eval_data},
+    res = run.train(cfg, train_data=mixed(train_data) if mixture else train_data, vocab_size=VOCAB, eval_data={"val": eval_data},
                     run_dir=f"{out_dir}/run", hooks=[hook])
 
     leaves = jax.tree.leaves(res.state.model)
