@@ -18,7 +18,7 @@ import dagster as dg
 from assets import metadata as md
 from assets.dead_runs import tend
 from assets.deployment import Deployment
-from assets.names import CHECKPOINT_TAG, EVALUATION_POOL
+from assets.names import CHECKPOINT_TAG, POOLS
 from resources import ArtifactStoreResource
 
 _KEY_RE = re.compile(r"^(?P<fp>[0-9A-Za-z_.\-]+)-step(?P<step>\d+)$")
@@ -94,7 +94,7 @@ def checkpoint_eval_asset(dep: Deployment, name: str):
 
     @dg.asset(key=dep.checkpoint_eval_key(name), deps=[train_key], partitions_def=checkpoints_partitions(name),
               group_name=name, code_version=base.own_version("eval_report"), kinds={base.stage("eval_report").kind},
-              pool=EVALUATION_POOL,
+              pool=POOLS.get(base.stage("eval_report").pool),
               description=f"The evaluation report ({name}'s eval settings) of one checkpoint of {train_key.to_user_string()} "
                           "(partition <run>-step<N>), requested by new_checkpoint_sensor as checkpoints land.")
     def checkpoint_eval(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
