@@ -112,3 +112,21 @@ def test_the_architecture_page_lists_the_stage_table_as_declared():
         rows[m.group(1)] = (reads, pool, command)
     table = stages.stage_table()
     assert rows == {s.name: (s.upstream, s.pool, s.command[0] if s.command else None) for s in table.values()}
+
+
+def test_a_builder_reads_only_the_stages_upstream_of_it(tmp_path, monkeypatch):
+    """A builder that reads a stage its declaration does not name fails naming both, before any work."""
+    from lm_pipeline.config import load_config
+    from lm_pipeline.steps import Pipeline
+    from lm_pipeline.steps.stage import Stage
+
+    def build(ctx, inputs):
+        assert list(inputs) == ["raw_shards", "tokenizer"]  # upstream, and upstream of those
+        return inputs["train_ckpt"]
+
+    sneaky = Stage("sneaky", 1, ("tokenizer",), lambda pipe: {}, build, description="reads too much", kind="python")
+    monkeypatch.setattr(stages, "STAGES", (*stages.STAGES, sneaky))
+    pipe = Pipeline(load_config(str(pt.write_config(tmp_path))))
+    with pytest.raises(KeyError, match="'sneaky' reads 'train_ckpt', which is not upstream of it"):
+        pipe.build("sneaky")
+    assert not (tmp_path / "store" / "train_ckpt").exists() and not (tmp_path / "store" / "sneaky").exists()
