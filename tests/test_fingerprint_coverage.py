@@ -162,7 +162,9 @@ BASE: dict[str, Any] = {
 }
 
 _NO_FILES = {"data.train_urls": [], "data.validation_urls": []}
-_MIXTURE = {"data.train_urls": [], "data.configs": {"web": {"train_urls": ["train-0.jsonl", "train-1.jsonl"]}},
+_MIXTURE = {"data.train_urls": [], "data.validation_urls": [],
+            "data.configs": {"web": {"train_urls": ["train-0.jsonl", "train-1.jsonl"],
+                                     "validation_urls": ["validation.jsonl"]}},
             "data.train_weights": {"web": 1.0}}
 _HF = {**_NO_FILES, "data.hf_id": "some-org/some-dataset"}
 

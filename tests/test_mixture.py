@@ -389,3 +389,13 @@ def test_block_counts_need_no_float_luck():
         size = int(rng.integers(n * 4, 5000))
         counts = block_counts(w, list(w), size)
         assert sum(counts) == size and all(c >= math.floor(w[k] / sum(w.values()) * size) for k, c in zip(w, counts, strict=True))
+
+
+def test_a_source_field_of_the_section_itself_is_refused_in_a_mixture(tmp_path):
+    """Set on the section, a source's field would be read by no component: refused, naming it."""
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, LEVANTER_YAML), ["--data.validation_urls", "[v.jsonl]", "--data.text_key", "body",
+                                                     "--data.on_invalid", "skip"])
+    got = problems_of(info)
+    assert set(got) == {"data.validation_urls", "data.text_key", "data.on_invalid"}
+    assert "configs.<name>.text_key" in got["data.text_key"]

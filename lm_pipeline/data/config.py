@@ -18,6 +18,7 @@ training source fields stay empty then. Every problem of a section is reported a
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -160,6 +161,11 @@ class SourceConfig:
         return out
 
 
+def _is_set(cfg: Any, f: dataclasses.Field) -> bool:
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return getattr(cfg, f.name) != default
+
+
 def _levanter_data_raw(data: dict[str, Any]) -> dict[str, Any]:
     """Levanter's ``shuffle: true`` (one permutation of the whole dataset per epoch) is ``shuffle:
     epoch``; ``shuffle: N`` (era shuffling with eras of N rows) is ``shuffle: era, era_length: N``;
@@ -290,6 +296,10 @@ class DataConfig(SourceConfig):
 
         out = [ConfigError(src, "a mixture takes its training data from its components: move it into one "
                            "(configs: {name: {train_urls: [...]}})") for src in self.train_sources()]
+        for f in dataclasses.fields(SourceConfig):  # a source's own field set on the section: never read
+            if f.name not in ("cache_dir", *self.train_sources()) and _is_set(self, f):
+                out.append(ConfigError(f.name, f"belongs to one source, and a mixture's sources are its components: "
+                                       f"set it in each component that needs it (configs.<name>.{f.name})"))
         phases, _ = weight_phases(self.train_weights)
         drawn = {name for _, weights in phases for name, w in weights.items() if w > 0}
         for name, comp in self.configs.items():
