@@ -102,8 +102,8 @@ def reevaluation_requests(instance: dg.DagsterInstance, experiments: Sequence[st
 def comparison_request(instance: dg.DagsterInstance, dep: Deployment, cursor: str | None) -> dg.SensorResult:
     """A run of the comparison when any experiment's evaluation (final or per checkpoint) has a new
     materialization since the cursor (the newest storage id seen)."""
-    keys = sorted({dep.key(n, "eval_report") for n in dep.experiments} | {dep.checkpoint_eval_key(n) for n in dep.experiments},
-                  key=lambda k: k.to_user_string())
+    keys = sorted({dep.key(n, s) for n in dep.experiments for s in dep.checkpoint_stages(n)}
+                  | {k for n in dep.experiments for k in dep.checkpoint_stages(n).values()}, key=lambda k: k.to_user_string())
     after = int(cursor) if cursor else 0
     newest = after
     for key in keys:

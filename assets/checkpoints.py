@@ -1,11 +1,13 @@
-"""Training checkpoints as partitions: ``<experiment>/checkpoint_eval`` evaluates one at a time.
+"""Training checkpoints as partitions: ``<experiment>/checkpoint_eval`` evaluates one at a time (and
+``<experiment>/checkpoint_<stage>`` each other per-checkpoint evaluation stage of the table).
 
 Each experiment has a dynamic partitions definition ``checkpoints_<experiment>`` whose keys name a
 checkpoint of a run: ``<train fingerprint>-step<N>`` (:func:`checkpoint_key`). The training asset
 reports each complete checkpoint as an observation as it lands (:mod:`assets.launch`); the
 ``new_checkpoint_sensor`` (:mod:`assets.automation`) adds its key and requests its evaluation, which
 finds the checkpoint's directory (:func:`find_checkpoint`) and evaluates it with the experiment's
-evaluation settings.
+evaluation settings; the experiment's evaluation job holds every such asset, so one request
+evaluates a checkpoint with each.
 """
 
 import dataclasses
@@ -76,38 +78,48 @@ def find_checkpoint(instance: dg.DagsterInstance, key: str, store: ArtifactStore
                      "a temporary checkpoint may have been pruned")
 
 
-def _checkpoint_pipeline(checkpoint: str, store: ArtifactStoreResource, *, eval_config=None):
-    """A pipeline for the run a checkpoint belongs to (its saved config, this store)."""
+def _checkpoint_pipeline(checkpoint: str, store: ArtifactStoreResource, base):
+    """A pipeline for the run a checkpoint belongs to (its saved config, this store) with the
+    evaluation settings of the experiment ``base`` (its ``eval:`` and ``eval_harness:``)."""
     from lm_pipeline.config import load_config
     from lm_pipeline.steps import Pipeline
 
     cfg = load_config(os.path.join(checkpoint, "config.yaml"))
-    cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, root=store.root))  # not semantic
-    return Pipeline(cfg, store.store(), progress=False, eval_config=eval_config)
+    cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, root=store.root),  # not semantic
+                              eval_harness=base.cfg.eval_harness)
+    return Pipeline(cfg, store.store(), progress=False, eval_config=base.eval_config)
 
 
-def checkpoint_eval_asset(dep: Deployment, name: str):
-    """``<experiment>/checkpoint_eval``: the experiment's evaluation of one checkpoint partition."""
+def checkpoint_assets(dep: Deployment) -> list:
+    """Every experiment's per-checkpoint evaluations: one partitioned asset per evaluation stage
+    that reads one checkpoint (:meth:`Deployment.checkpoint_stages`)."""
+    return [checkpoint_stage_asset(dep, name, stage) for name in dep.experiments
+            for stage in dep.checkpoint_stages(name)]
+
+
+def checkpoint_stage_asset(dep: Deployment, name: str, stage_name: str):
+    """``<experiment>/checkpoint_eval`` (eval_report) or ``<experiment>/checkpoint_<stage>``: the
+    experiment's ``stage_name`` of one checkpoint partition."""
     exp = dep.experiments[name]
     base = exp.pipeline()
+    stage = base.stage(stage_name)
     train_key = dep.key(name, "train_ckpt")
 
-    @dg.asset(key=dep.checkpoint_eval_key(name), deps=[train_key], partitions_def=checkpoints_partitions(name),
-              group_name=name, code_version=base.own_version("eval_report"), kinds={base.stage("eval_report").kind},
-              pool=POOLS.get(base.stage("eval_report").pool),
-              description=f"The evaluation report ({name}'s eval settings) of one checkpoint of {train_key.to_user_string()} "
+    @dg.asset(key=dep.checkpoint_stages(name)[stage_name], deps=[train_key], partitions_def=checkpoints_partitions(name),
+              group_name=name, code_version=base.own_version(stage_name), kinds={stage.kind}, pool=POOLS.get(stage.pool),
+              description=f"{stage_name} ({name}'s settings) of one checkpoint of {train_key.to_user_string()} "
                           "(partition <run>-step<N>), requested by new_checkpoint_sensor as checkpoints land.")
     def checkpoint_eval(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
         tend(context)
         key = context.partition_key
         path = find_checkpoint(context.instance, key, store, tags=context.run.tags, asset=train_key)
-        pipe = _checkpoint_pipeline(path, store, eval_config=base.eval_config)
-        res = pipe.eval_report(checkpoint=path)
+        pipe = _checkpoint_pipeline(path, store, base)
+        res = pipe.build(stage_name, checkpoint=path)
         context.log.info(md.summary_line(res))
-        meta = md.stage_metadata(pipe.stage("eval_report"), res)
+        meta = md.stage_metadata(pipe.stage(stage_name), res)
         meta["run_fingerprint"] = dg.MetadataValue.text(parse_checkpoint_key(key)[0])
         meta["experiment"] = dg.MetadataValue.text(name)
-        meta["eval_config"] = dg.MetadataValue.json(md.plain_json(pipe.stage_config("eval_report")))
+        meta["eval_config"] = dg.MetadataValue.json(md.plain_json(pipe.stage_config(stage_name)))
         return md.result(res, meta)
 
     return checkpoint_eval

@@ -31,6 +31,7 @@ import dagster as dg
 
 from assets.experiment import DEFAULT_NAME, Experiment
 from assets.mixture import add_components
+from lm_pipeline.steps import stage_table
 
 SOURCE = "data_sources"
 CHECKPOINT_EVAL = "checkpoint_eval"
@@ -78,17 +79,19 @@ class Deployment:
             raise ValueError(f"default experiment {default!r} is not one of {', '.join(self.experiments)}")
         self.default: str | None = default if default is not None else (
             DEFAULT_NAME if DEFAULT_NAME in self.experiments else None)
-        self.stages: list[str] = list(next(iter(self.experiments.values())).pipeline().stages)
+        # each experiment's stages (a stage may not apply to one: Stage.not_applicable); all, in table order
+        self._stages_of = {name: list(exp.pipeline().stages) for name, exp in self.experiments.items()}
+        self.stages: list[str] = [s for s in stage_table() if any(s in own for own in self._stages_of.values())]
         addresses: dict[tuple[str, str, str], list[str]] = {}
         for exp in self.experiments.values():
             pipe = exp.pipeline()
-            for stage in self.stages:
+            for stage in self.stages_of(exp.name):
                 addresses.setdefault((exp.store_root, stage, pipe.config_version(stage)), []).append(exp.name)
         self._of: dict[tuple[str, str], Node] = {}
         self.sources: dict[dg.AssetKey, Node] = {}  # data_sources key -> its experiment's raw_shards node
         for exp in self.experiments.values():
             pipe = exp.pipeline()
-            for stage in self.stages:
+            for stage in self.stages_of(exp.name):
                 version = pipe.config_version(stage)
                 others = [n for n in addresses[(exp.store_root, stage, version)] if n != exp.name]
                 node = Node(stage, self.key(exp.name, stage), version, exp, others)
@@ -99,6 +102,18 @@ class Deployment:
                 if stage == "raw_shards":
                     self.sources[self.source_key(exp.name)] = node
             add_components(self, exp, pipe)  # a data mixture: per-component sources and caches
+
+    def stages_of(self, experiment: str) -> list[str]:
+        """The stages of ``experiment`` (those of the table that apply to it), in table order."""
+        return self._stages_of[experiment]
+
+    def checkpoint_stages(self, experiment: str) -> dict[str, dg.AssetKey]:
+        """Each per-checkpoint evaluation stage of ``experiment`` (per checkpoint, in the evaluation
+        pool) -> its partitioned asset: ``checkpoint_eval`` for eval_report, ``checkpoint_<stage>``
+        for another."""
+        pipe = self.experiments[experiment].pipeline()
+        return {s: self.key(experiment, CHECKPOINT_EVAL if s == "eval_report" else f"checkpoint_{s}")
+                for s in self.stages_of(experiment) if pipe.stage(s).per_checkpoint and pipe.stage(s).pool == "evaluation"}
 
     def prefix(self, experiment: str) -> list[str]:
         """The key prefix of ``experiment``'s assets: none for the default experiment."""
@@ -122,7 +137,7 @@ class Deployment:
     def lineage_keys(self, experiment: str) -> list[dg.AssetKey]:
         """The data sources, component caches and stage assets of ``experiment``."""
         sources = [k for k, n in self.sources.items() if n.name == experiment]
-        return [*sources, *(n.key for n in self.components(experiment)), *(self.key(experiment, s) for s in self.stages)]
+        return [*sources, *(n.key for n in self.components(experiment)), *(self.key(experiment, s) for s in self.stages_of(experiment))]
 
     def node(self, experiment: str, stage: str) -> Node:
         try:
@@ -153,4 +168,4 @@ class Deployment:
 
     def describe(self) -> dict[str, Any]:
         """Which asset each experiment's stages are (for docs, logs and tests)."""
-        return {name: {s: self.key(name, s).to_user_string() for s in self.stages} for name in self.experiments}
+        return {name: {s: self.key(name, s).to_user_string() for s in self.stages_of(name)} for name in self.experiments}

@@ -51,7 +51,7 @@ def add_components(dep: "Deployment", exp: "Experiment", pipe) -> None:
                      exp, component=name)
         cache.deps = [dep.key(exp.name, "tokenizer"), src]
         dep.add_node(cache)
-    for stage in dep.stages:
+    for stage in dep.stages_of(exp.name):
         node = dep.node(exp.name, stage)
         ups = [dep.key(exp.name, up) for up in pipe.stage(stage).upstream]
         if stage == "tokenizer":  # trained here: on every component; given: on none

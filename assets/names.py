@@ -5,11 +5,11 @@ these names, so they change only with all of them.
 
 from __future__ import annotations
 
-from lm_pipeline.steps import STAGE_NAMES
+from lm_pipeline.steps import STAGES
 
-#: The stages of every experiment's lineage as the table declares them, in order (the deployment
-#: reads the table itself: :attr:`assets.deployment.Deployment.stages`).
-LINEAGE = STAGE_NAMES
+#: The stages of every experiment's lineage as the table declares them, in order: those that apply
+#: to every experiment (the deployment reads the table itself: :attr:`assets.deployment.Deployment.stages`).
+LINEAGE = tuple(s.name for s in STAGES if s.not_applicable is None)
 
 #: The command that runs Dagster on this code location with a persistent instance (assets/__main__.py).
 ASSETS_COMMAND = "python -m assets"

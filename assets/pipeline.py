@@ -20,7 +20,7 @@ resources, executor) from the modules of the layer, one concern each:
   subprocess, a Ray job) and streams its checkpoints back as observations;
 * :mod:`assets.provenance` -- each asset's inputs checked and recorded before it builds;
 * :mod:`assets.metadata` -- what each materialization shows;
-* :mod:`assets.checkpoints` -- checkpoint partitions and ``checkpoint_eval``;
+* :mod:`assets.checkpoints` -- checkpoint partitions and the per-checkpoint evaluations;
 * :mod:`assets.automation` -- sensors and schedules;
 * :mod:`assets.comparison` -- the comparison of the experiments;
 * :mod:`assets.checks` -- the asset checks (token ids, counts, losses, the export's logits);
@@ -37,7 +37,7 @@ import dagster as dg
 
 from assets.automation import build_automation, checkpoint_requests, latest_checkpoint_keys
 from assets.checkpoints import (
-    checkpoint_eval_asset,
+    checkpoint_assets,
     checkpoint_key,
     checkpoints_partitions,
     parse_checkpoint_key,
@@ -77,8 +77,8 @@ __all__ = [
 
 def build_assets(dep: Deployment, *, checks: bool = True) -> list:
     """The assets of the deployment: the data sources, every experiment's stages, its
-    ``checkpoint_eval`` and the comparison; with ``checks``, the asset checks of each artifact."""
-    return [*stage_assets(dep), *(checkpoint_eval_asset(dep, name) for name in dep.experiments), comparison_asset(dep),
+    per-checkpoint evaluations and the comparison; with ``checks``, the asset checks of each artifact."""
+    return [*stage_assets(dep), *checkpoint_assets(dep), comparison_asset(dep),
             *(asset_checks(dep) if checks else [])]
 
 
@@ -136,7 +136,7 @@ def build_definitions(experiments: Sequence[Experiment] | Experiment | None = No
     per_experiment = [dg.define_asset_job(experiment_job_name(n), selection=dg.AssetSelection.assets(*lineage_selection(dep, [n])),
                                           description=f"Observe the data and materialize the lineage of {n}.")
                       for n in dep.experiments]
-    eval_jobs = {n: dg.define_asset_job(eval_job_name(n), selection=dg.AssetSelection.assets(dep.checkpoint_eval_key(n)),
+    eval_jobs = {n: dg.define_asset_job(eval_job_name(n), selection=dg.AssetSelection.assets(*dep.checkpoint_stages(n).values()),
                                         partitions_def=checkpoints_partitions(n),
                                         description=f"Evaluate checkpoints of {n}.")
                  for n in dep.experiments}

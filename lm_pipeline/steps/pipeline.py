@@ -70,8 +70,16 @@ class Pipeline:
         self.progress = progress
         self._eval_config = eval_config
         self._export_config = export_config
-        self.stages: dict[str, Stage] = stage_table(None if stages is None else tuple(stages))
         self._memo = _Memo()
+        self.stages: dict[str, Stage] = {}
+        self.skipped: dict[str, str] = {}  # a stage that does not apply to this experiment -> why
+        for name, st in stage_table(None if stages is None else tuple(stages)).items():
+            why = next((f"it reads {up!r}, which does not apply" for up in st.upstream if up in self.skipped), None)
+            why = why or (st.not_applicable(self) if st.not_applicable is not None else None)
+            if why:
+                self.skipped[name] = why
+            else:
+                self.stages[name] = st
 
     def with_config(self, cfg: RunConfig) -> Pipeline:
         """This pipeline with ``cfg``, which may differ in non-semantic fields only (runtime
@@ -241,6 +249,8 @@ class Pipeline:
         try:
             return self.stages[name]
         except KeyError:
+            if name in self.skipped:
+                raise ConfigError("", f"stage {name!r} does not apply to this experiment: {self.skipped[name]}") from None
             raise ValueError(f"unknown stage {name!r}; stages: {', '.join(self.stages)}") from None
 
     def stage_config(self, name: str) -> Any:
@@ -299,9 +309,10 @@ class Pipeline:
 
     def own_version(self, name: str) -> str:
         """The stage's fingerprint over its own semantic config and code version, no inputs: the
-        version of a stage applied to inputs chosen elsewhere (one checkpoint of any run)."""
+        version of a stage applied to inputs chosen elsewhere (one checkpoint of any run), with the
+        inputs that are not stages known without reading the data (a local task file's hash)."""
         st = self.stage(name)
-        return fingerprint(name, st.config(self), st.code_version, {})
+        return fingerprint(name, st.config(self), st.code_version, st.sources(self, False) if st.sources else {})
 
     # ---------------------------------------------------------------- running
 

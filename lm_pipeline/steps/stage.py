@@ -44,6 +44,9 @@ class Stage:
     writing its part; process 0 takes the builders' lock and commits the manifest, the others do
     neither (a follower waiting for the lock that process 0 holds while process 0 waits for it in
     ``jax.distributed`` start-up would deadlock; one manifest per artifact is the rule).
+    ``not_applicable(pipe)``: why the stage does not apply to an experiment (one line, e.g. its
+    config has no section for it), None when it does; a stage that does not apply, and every stage
+    reading it, is not one of that experiment's stages (no address, plan row, asset or command).
     """
 
     name: str
@@ -61,6 +64,7 @@ class Stage:
     metadata: Callable[[StageResult], dict[str, Any]] | None = None
     check: Callable[[Pipeline], None] | None = None
     distributed: bool = False
+    not_applicable: Callable[[Pipeline], str | None] | None = None
 
     def __post_init__(self) -> None:
         if self.pool is not None and self.pool not in POOLS:
