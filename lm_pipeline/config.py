@@ -44,7 +44,7 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, help="AdamW and the learning-rate schedule.")
     eval: EvalConfig = field(default_factory=EvalConfig, help="Offline evaluation of checkpoints (eval_report).")
     export: ExportConfig = field(default_factory=ExportConfig, help="Hugging Face exports (hf_export, hf_save_steps).")
-    eval_harness: EvalHarnessConfig | None = field(None, help="Downstream tasks through lm-evaluation-harness, run by `lm-pipeline eval` (Levanter's section). See downstream_eval.md.", semantic=False)
+    eval_harness: EvalHarnessConfig | None = field(None, help="Downstream tasks through lm-evaluation-harness, run by `lm-pipeline eval` and the task_eval stage (Levanter's section). See downstream_eval.md.")
     eval_harness_steps: int = field(10000, help="Levanter's cadence of eval_harness during training: accepted as written; the tasks run on checkpoints with `lm-pipeline eval`.", semantic=False)
     store: StoreConfig = field(default_factory=StoreConfig, help="The artifact store.", semantic=False)
     initialize_from_hf: str | None = field(None, help="Continued pretraining: start from the weights of this Hugging Face GPT-2 or Llama model (a local directory, or a hub repo 'org/name[@revision]', which needs the network or the local HF cache). Its identity in the run's fingerprint is the sha256 of its safetensors files (a hub repo: its resolved commit), never its path. See continued-pretraining.md.", semantic=False)

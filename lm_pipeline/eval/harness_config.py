@@ -60,11 +60,11 @@ class EvalHarnessConfig:
     task_spec: tuple[str | HarnessTask, ...] = field((), help="Tasks: harness task or group names, or mappings with `task` and overrides (task_alias, num_fewshot, ...).")
     max_examples: int | None = field(None, help="Evaluate at most this many documents per task (the first ones); null = all.")
     max_eval_length: int | None = field(None, help="Longest token window the model sees (left-truncated beyond); null = the model's seq_len.")
-    log_samples: bool = field(False, help="Also write every document's requests and responses (samples_<task>.jsonl).")
+    log_samples: bool = field(False, help="Also write every document's requests and responses (samples_<task>.jsonl).", semantic=False)
     bootstrap_iters: int = field(0, help="Bootstrap resamples for the metrics' standard errors; 0 = none.")
     apply_chat_template: bool = field(False, help="Format prompts with the tokenizer's chat template.")
     include_path: tuple[str, ...] = field((), help="Directories (or files) of task YAML files to use beside the harness's own tasks.")
-    batch_size: int = field(16, help="Sequences per forward pass (log-likelihoods) and per generation batch.")
+    batch_size: int = field(16, help="Sequences per forward pass (log-likelihoods) and per generation batch.", semantic=False)
     add_bos_token: bool | None = field(None, help="Prepend BOS to every encoding: null = as the tokenizer's post-processor does (the harness's default).")
 
     def validate(self) -> None:
