@@ -53,16 +53,17 @@ CONSUMERS = {
     "raw_shards": ("tokenizer", "token_cache"),
     "tokenizer": ("token_cache",),
     "token_cache": ("train_ckpt", "eval_report"),
-    "train_ckpt": ("eval_report", "hf_export"),
+    "train_ckpt": ("eval_report", "hf_export", "task_eval"),
     "eval_report": (),
     "hf_export": (),
+    "task_eval": (),
 }
 
 
-def downstream(stage: str | None) -> set[str]:
-    """``stage`` and every stage that reads it, directly or not (nothing for None)."""
+def downstream(stage: str | tuple[str, ...] | None) -> set[str]:
+    """``stage`` (or each of several) and every stage that reads it, directly or not (nothing for None)."""
     out: set[str] = set()
-    todo = [stage] if stage else []
+    todo = [stage] if isinstance(stage, str) else list(stage or ())
     while todo:
         s = todo.pop()
         if s not in out:
@@ -102,7 +103,8 @@ STAGE_OF: dict[str, str | None] = {
             "lr_schedule min_lr_ratio warmup decay rewarmup cycles cycle_length skip_bad_steps "
             "skip_grad_norm_factor skip_warmup_steps skip_ema_decay type momentum adam_lr gamma update_interval "
             "ema_beta"),
-    **_each("eval_report", "eval.", "batch_size max_eval_batches compute_dtype unigram_baseline"),
+    **_each("eval_report", "eval.", "batch_size max_eval_batches unigram_baseline"),
+    "eval.compute_dtype": ("eval_report", "task_eval"),  # both evaluations run in it
     **_each("hf_export", "export.", "max_shard_size dtype"),
     # no artifact: worker counts, recomputation, cadence, layout, paths, resumption, trackers
     **_each(None, "data.", "cache_dir num_workers shard_group_size"),
@@ -126,11 +128,12 @@ STAGE_OF: dict[str, str | None] = {
     "eval.report_dir": None,
     **_each(None, "export.", "hf_save_steps hf_save_path hf_upload hf_upload_private"),
     "store.root": None,
-    # downstream tasks (lm-evaluation-harness): run by `lm-pipeline eval`, no stage's artifact
-    **_each(None, "eval_harness.", "max_examples max_eval_length log_samples bootstrap_iters apply_chat_template "
-            "include_path batch_size add_bos_token"),
-    **_each(None, "eval_harness.task_spec.", "task task_alias num_fewshot use_prompt description target_delimiter "
-            "fewshot_delimiter doc_to_text doc_to_target doc_to_choice"),
+    # downstream tasks (lm-evaluation-harness): the task_eval stage (batching and samples change no score)
+    **_each("task_eval", "eval_harness.", "max_examples max_eval_length bootstrap_iters apply_chat_template "
+            "include_path add_bos_token"),
+    **_each(None, "eval_harness.", "log_samples batch_size"),
+    **_each("task_eval", "eval_harness.task_spec.", "task task_alias num_fewshot use_prompt description "
+            "target_delimiter fewshot_delimiter doc_to_text doc_to_target doc_to_choice"),
     "eval_harness_steps": None,
     # continued pretraining: the starting weights enter train_ckpt by content (an input, not the
     # path); use_hf_model_config acts through the model and tokenizer fields it fills in
@@ -159,6 +162,7 @@ BASE: dict[str, Any] = {
     "trainer": {"num_train_steps": 6, "train_batch_size": 4, "checkpointer": {"keep": [{"every": 3}]}},
     "optimizer": {"learning_rate": 1.0e-3, "warmup": 0.0},
     "store": {"root": "store"},
+    "eval_harness": {"task_spec": ["hellaswag"]},  # task_eval applies (a hub task: nothing read to address it)
 }
 
 _NO_FILES = {"data.train_urls": [], "data.validation_urls": []}
@@ -208,7 +212,7 @@ SPECIAL: dict[str, tuple[dict[str, Any], Any]] = {
     # the eval_harness section is absent by default: the base has one with a task
     **{f"eval_harness.{k}": ({"eval_harness.task_spec": [{"task": "hellaswag"}]}, v) for k, v in {
         "max_examples": 10, "max_eval_length": 32, "log_samples": True, "bootstrap_iters": 10,
-        "apply_chat_template": True, "include_path": ["tasks"], "batch_size": 4, "add_bos_token": True,
+        "apply_chat_template": True, "include_path": ["validation.jsonl"], "batch_size": 4, "add_bos_token": True,
         "task_spec.task": "arc_easy", "task_spec.task_alias": "hs", "task_spec.num_fewshot": 5,
         **{f"task_spec.{t}": "{{x}}" for t in ("use_prompt description target_delimiter fewshot_delimiter "
                                                 "doc_to_text doc_to_target doc_to_choice").split()}}.items()},
@@ -427,13 +431,13 @@ def fingerprints(raw: dict[str, Any]) -> dict[str, dict[str, str] | None]:
         pipe = Pipeline(from_dict(RunConfig, raw), progress=False)
         _FINGERPRINTS[key] = {
             "config_version": pipe.config_versions(),
-            "address": {s: pipe.address(s).fingerprint for s in STAGE_NAMES} if reads_only_local_files(raw) else None,
+            "address": {s: pipe.address(s).fingerprint for s in pipe.stages} if reads_only_local_files(raw) else None,
         }
     return _FINGERPRINTS[key]
 
 
 def _differ(a: dict[str, str], b: dict[str, str]) -> set[str]:
-    return {s for s in STAGE_NAMES if a[s] != b[s]}
+    return {s for s in STAGE_NAMES if a.get(s) != b.get(s)}  # a stage may not apply (task_eval without tasks)
 
 
 def _order(stages: set[str]) -> list[str]:
@@ -455,7 +459,7 @@ def test_every_config_field_is_classified():
         "`semantic=` flag and put it in that stage's config in lm_pipeline.steps.stages")
     assert not set(STAGE_OF) - names, f"STAGE_OF names fields the schema no longer has: {sorted(set(STAGE_OF) - names)}"
     assert set(CONSUMERS) == set(STAGE_NAMES), f"the stages changed ({STAGE_NAMES}): update CONSUMERS"
-    assert set(STAGE_OF.values()) <= set(STAGE_NAMES) | {None}
+    assert {s for v in STAGE_OF.values() for s in ((v,) if isinstance(v, str) else v or ())} <= set(STAGE_NAMES)
 
 
 @pytest.mark.allow_skip_in_ci(reason="a config Choice family with one member has no other type to change to")
@@ -494,7 +498,7 @@ def test_field_changes_its_stage_and_everything_downstream_only(leaf, workdir):
 
 def _all(raw: dict[str, Any], stages=STAGES) -> dict[str, dict[str, str]]:
     pipe = Pipeline(from_dict(RunConfig, raw), progress=False, stages=stages)  # fresh: no memo, no shared cache
-    return {"config_version": pipe.config_versions(), "address": {s: pipe.address(s).fingerprint for s in STAGE_NAMES}}
+    return {"config_version": pipe.config_versions(), "address": {s: pipe.address(s).fingerprint for s in pipe.stages}}
 
 
 @pytest.mark.parametrize("stage", STAGE_NAMES)
@@ -548,7 +552,7 @@ def golden_fingerprints() -> dict[str, dict[str, str]]:
     store = ArtifactStore("store")  # relative: never the experiment's own store
     versions = Pipeline(load_config(DEFAULT_EXPERIMENT), store, progress=False).config_versions()
     pipe = Pipeline(load_config(DEFAULT_EXPERIMENT, GOLDEN_DATA), store, progress=False)
-    return {"config_version": versions, "address": {s: pipe.address(s).fingerprint for s in STAGE_NAMES}}
+    return {"config_version": versions, "address": {s: pipe.address(s).fingerprint for s in pipe.stages}}
 
 
 def test_default_experiment_fingerprints_are_golden(workdir):

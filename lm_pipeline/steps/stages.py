@@ -19,6 +19,7 @@ from lm_pipeline import fs
 from lm_pipeline.fingerprint import semantic_view
 from lm_pipeline.steps import builders, mixture, shown
 from lm_pipeline.steps.stage import Stage
+from lm_pipeline.steps.task_eval import TASK_EVAL
 from lm_pipeline.train.run_identity import run_semantics, start_weights
 
 if TYPE_CHECKING:
@@ -135,6 +136,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("hf_export", 1, ("train_ckpt",), lambda pipe: semantic_view(pipe.export_config), builders.hf_export,
           per_checkpoint=True, kind="huggingface", metadata=shown.hf_export,
           description="The final checkpoint as a Hugging Face transformers model directory."),
+    TASK_EVAL,
 )
 
 #: The names of the stages of :data:`STAGES` as declared (read :func:`stage_table` for the table now).
