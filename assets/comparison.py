@@ -1,29 +1,74 @@
 """``experiments/comparison``: every experiment's final evaluation side by side, one table and
 one plot (:mod:`lm_pipeline.steps.comparison`: its rows, its address over the evaluation reports
-it reads, how it is built and what it shows)."""
+it reads, how it is built and what it shows).
+
+It reads each experiment's ``train_ckpt`` and ``eval_report`` (its deps), and what Dagster records
+of them is what it read: before it builds, Dagster's latest materialization of each must be the
+artifact at the experiment's current address (or, for an experiment not trained or evaluated yet,
+neither built nor recorded), else the step fails in one line naming what to materialize first
+(:func:`assets.provenance.require_recorded`), as a stage does. Its code version is the comparison's.
+"""
 
 import dagster as dg
 
 from assets.dead_runs import tend
 from assets.deployment import COMPARISON_GROUP, COMPARISON_KEY, Deployment
 from assets.metadata import result, to_dagster
+from assets.provenance import require_recorded
 from lm_pipeline.steps import comparison
 from resources import ArtifactStoreResource
+
+#: What the comparison reads of each experiment (the columns of its rows naming them).
+READS = ("train_ckpt", "eval_report")
+
+
+def comparison_deps(dep: Deployment) -> list[dg.AssetKey]:
+    """Each experiment's training run and evaluation report, the comparison's inputs."""
+    keys = {dep.key(n, stage) for n in dep.experiments for stage in READS}
+    return sorted(keys, key=lambda k: k.to_user_string())
+
+
+def _verify(context, dep: Deployment, pipes) -> dict[str, str | None]:
+    """Check Dagster records what the comparison reads (see the module docstring); returns, per
+    input asset, the fingerprint read (None: not built, not recorded)."""
+    read: dict[str, str | None] = {}
+    for name, pipe in pipes.items():
+        for stage in READS:
+            key = dep.key(name, stage)
+            require_recorded(context.instance, COMPARISON_KEY, key, pipe, stage, absent_ok=True,
+                             named=f"{name}'s {stage}")
+            found = pipe.cached(stage)
+            read[key.to_user_string()] = found.fingerprint if found is not None else None
+    return read
+
+
+def _used(dep: Deployment, rows) -> dict[str, str | None]:
+    """Per input asset, the fingerprint the comparison's rows name."""
+    return {dep.key(r["experiment"], stage).to_user_string(): r[stage] for r in rows for stage in READS}
 
 
 def comparison_asset(dep: Deployment):
     """``experiments/comparison``: every experiment's final evaluation side by side."""
-    evals = sorted({dep.key(n, "eval_report") for n in dep.experiments}, key=lambda k: k.to_user_string())
 
-    @dg.asset(key=COMPARISON_KEY, deps=evals, group_name=COMPARISON_GROUP, kinds={"pandas"},
+    @dg.asset(key=COMPARISON_KEY, deps=comparison_deps(dep), group_name=COMPARISON_GROUP, kinds={"pandas"},
+              code_version=str(comparison.CODE_VERSION),
               description="Every experiment's final evaluation side by side (loss, bits per byte vs the unigram "
-                          "baseline, parameters, training tokens and wall time): a table and a plot. Refreshed by "
-                          "comparison_sensor when an evaluation lands.")
+                          "baseline, parameters, training tokens and wall time): a table and a plot, of the "
+                          "training runs and evaluation reports Dagster records. Refreshed by comparison_sensor "
+                          "when an evaluation lands.")
     def comparison_of_experiments(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
         tend(context)
         artifacts = store.store()  # the deployment's one store (build_definitions checks it)
-        res = comparison.compare(artifacts, {name: exp.fresh_pipeline(artifacts) for name, exp in dep.experiments.items()})
+        pipes = {name: exp.fresh_pipeline(artifacts) for name, exp in dep.experiments.items()}
+        read = _verify(context, dep, pipes)
+        res = comparison.compare(artifacts, pipes)
+        used = _used(dep, res.manifest.get("rows") or [])
+        if used != read:  # an artifact committed between the check and the read (a checkpoint evaluation)
+            changed = ", ".join(k for k in used if used[k] != read.get(k))
+            raise dg.Failure(f"experiments/comparison: {changed} changed while it was read; materialize it again",
+                             allow_retries=False)
         context.log.info(f"comparison {res.fingerprint}: {'cache hit' if res.hit else 'written'} at {res.path}")
-        return result(res, {k: to_dagster(v) for k, v in comparison.metadata(res).items()})
+        shown = {k: to_dagster(v) for k, v in comparison.metadata(res).items()}
+        return result(res, {**shown, "input_fingerprints": dg.MetadataValue.json(used)})
 
     return comparison_of_experiments

@@ -68,15 +68,26 @@ def verify_inputs(context, dep: Deployment, node: Node, pipe, *, record: bool = 
         key = dep.key(node.name, up)
         if key not in node.deps:  # a given tokenizer of a mixture reads no data (assets/mixture.py)
             continue
-        want = pipe.address(up).fingerprint
-        used[up] = want
-        if _latest_version(instance, key) == want:
-            continue
-        state = ("complete in the store (a cache hit) but not recorded by Dagster" if pipe.cached(up) is not None
-                 else "not built")
-        raise dg.Failure(f"{node.key.to_user_string()} reads {up} {want}, which is {state}: {what_to_run(key, node.key)}",
-                         allow_retries=False)
+        used[up] = pipe.address(up).fingerprint
+        require_recorded(instance, node.key, key, pipe, up, absent_ok=False)
     return used
+
+
+def require_recorded(instance: dg.DagsterInstance, me: dg.AssetKey, key: dg.AssetKey, pipe, stage: str, *,
+                     absent_ok: bool, named: str | None = None) -> None:
+    """Dagster's latest version of ``key`` must be the artifact ``me`` reads, ``stage`` at its address
+    in ``pipe``, else the step fails in one line naming what to materialize first. ``absent_ok``: an
+    artifact neither built nor recorded is read as none (the comparison's unevaluated experiment).
+    ``named``: what the message calls the input (default: the stage's name)."""
+    want, recorded = pipe.address(stage).fingerprint, _latest_version(instance, key)
+    if recorded == want:
+        return
+    built = pipe.cached(stage) is not None
+    if absent_ok and not built and recorded is None:
+        return
+    state = "complete in the store (a cache hit) but not recorded by Dagster" if built else "not built"
+    raise dg.Failure(f"{me.to_user_string()} reads {named or stage} {want}, which is {state}: {what_to_run(key, me)}",
+                     allow_retries=False)
 
 
 def provenance(dep: Deployment, node: Node, pipe, used: Mapping[str, str]) -> dict[str, Any]:

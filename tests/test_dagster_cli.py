@@ -272,7 +272,7 @@ def test_dagster_dev_serves_the_lineage_graph(tmp_path):
         assert graph[_name("eval_report")] == {src, _name("train_ckpt"), _name("token_cache")}
         assert graph[_name("hf_export")] == {src, _name("train_ckpt")}
         assert graph[_name("checkpoint_eval")] == {_name("train_ckpt")}
-        assert graph[comparison] == {_name("eval_report")}
+        assert graph[comparison] == {_name("train_ckpt"), _name("eval_report")}
         assert {k: groups[k] for k in graph if k != comparison} == dict.fromkeys(set(graph) - {comparison}, EXP)
         assert groups[comparison] == "experiments"
     finally:

@@ -66,7 +66,7 @@ def test_one_experiment_is_its_lineage_its_evaluations_and_the_comparison(experi
         # every stage reads its upstream stages and (its address covers it) the data's content
         assert _parents(graph, stage) == parents | {"data_sources"}, stage
     assert _parents(graph, "checkpoint_eval") == {"train_ckpt"}
-    assert _parents(graph, "experiments/comparison") == {"eval_report"}
+    assert _parents(graph, "experiments/comparison") == {"train_ckpt", "eval_report"}
     assert graph.get(dg.AssetKey("data_sources")).is_observable
     assert {graph.get(dg.AssetKey(s)).group_name for s in LINEAGE} == {"tiny"}
     assert graph.get(dg.AssetKey("checkpoint_eval")).partitions_def.name == "checkpoints_tiny"
@@ -121,7 +121,7 @@ def test_two_experiments_each_keep_their_own_keys_and_share_artifacts_by_address
     for n in other:
         assert graph.get(dg.AssetKey([n, "train_ckpt"])).metadata["shared_with"].value == "none"
     assert exps[0].pipeline().config_version("train_ckpt") != exps[1].pipeline().config_version("train_ckpt")
-    assert _parents(graph, "experiments/comparison") == {"gpt/eval_report", "llama/eval_report"}
+    assert _parents(graph, "experiments/comparison") == {f"{e}/{s}" for e in ("gpt", "llama") for s in ("train_ckpt", "eval_report")}
     jobs = {j.name: {k.to_user_string() for k in j.asset_layer.selected_asset_keys} for j in defs.resolve_all_job_defs()
             if not j.name.startswith("__")}
     assert jobs["pipeline_llama"] == {f"llama/{s}" for s in (*LINEAGE, "data_sources")}

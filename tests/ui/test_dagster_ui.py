@@ -37,7 +37,7 @@ _STAGES = ("data_sources", "raw_shards", "tokenizer", "token_cache", "train_ckpt
            "checkpoint_eval")
 GROUPS = {"gpt": _STAGES, "llama": _STAGES, "experiments": ("comparison",)}
 # The lineage edges (upstream, downstream) between "<group>/<name>" nodes: every stage also depends
-# on the data source directly; the comparison on both experiments' evaluations.
+# on the data source directly; the comparison on both experiments' runs and evaluations.
 EDGES = set()
 for _e in ("gpt", "llama"):
     EDGES |= {(f"{_e}/data_sources", f"{_e}/raw_shards"), (f"{_e}/data_sources", f"{_e}/tokenizer"),
@@ -47,7 +47,7 @@ for _e in ("gpt", "llama"):
               (f"{_e}/data_sources", f"{_e}/train_ckpt"), (f"{_e}/data_sources", f"{_e}/eval_report"),
               (f"{_e}/data_sources", f"{_e}/hf_export"), (f"{_e}/train_ckpt", f"{_e}/eval_report"),
               (f"{_e}/train_ckpt", f"{_e}/hf_export"), (f"{_e}/train_ckpt", f"{_e}/checkpoint_eval"),
-              (f"{_e}/eval_report", "experiments/comparison")}
+              (f"{_e}/eval_report", "experiments/comparison"), (f"{_e}/train_ckpt", "experiments/comparison")}
 # What the deployment starts RUNNING, stopped before the daemon starts (see the server fixture).
 AUTOMATION = (("sensor", "new_checkpoint_sensor"), ("sensor", "comparison_sensor"),
               ("schedule", "observe_data_sources"), ("schedule", "reevaluate_gpt"), ("schedule", "reevaluate_llama"))
