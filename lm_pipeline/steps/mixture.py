@@ -53,8 +53,9 @@ def component_config(cfg: RunConfig, name: str) -> RunConfig:
     comp = cfg.data.configs[name]
     source = {f.name: getattr(comp, f.name) for f in dataclasses.fields(SourceConfig)}
     source["cache_dir"] = comp.cache_dir or cfg.data.cache_dir
-    defaults = {f.name: f.default for f in dataclasses.fields(DataConfig) if f.name in DRAW_FIELDS and f.name != "train_weights"}
-    data = dataclasses.replace(cfg.data, **source, configs={}, train_weights={}, **defaults)
+    no_mixture = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                  for f in dataclasses.fields(DataConfig) if f.name in ("configs", *DRAW_FIELDS)}
+    data = dataclasses.replace(cfg.data, **source, **no_mixture)
     return dataclasses.replace(cfg, data=data)
 
 
@@ -134,7 +135,7 @@ def training_shards(all_shards: dict[str, list]) -> list:
 
 def cache_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
     """The mixture's ``token_cache`` inputs besides its upstream stages: each component cache's
-    fingerprint (with ``content=False``, its config version). None without a mixture."""
+    fingerprint (with ``content=False``, its config version); none without a mixture."""
     return {f"components/{name}": sub.address("token_cache").fingerprint if content else sub.config_version("token_cache")
             for name, sub in pipe.components().items()}
 
