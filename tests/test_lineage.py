@@ -112,7 +112,7 @@ def test_chain_of_an_export_follows_the_recorded_inputs_in_order(store):
     assert by["raw_shards"]["read_by"] == [f"token_cache/{TC}", f"tokenizer/{TK}"]
     assert by["raw_shards"]["path"] == f"{store.root}/raw_shards/{RS}"
     assert by["raw_shards"]["created"] < by["hf_export"]["created"]
-    assert [(s["split"], s["name"], s["sha256"]) for s in by["raw_shards"]["shards"]] == [
+    assert [(s["split"], s["name"], s["fingerprint"]) for s in by["raw_shards"]["shards"]] == [
         (split, n, _sha(n)) for split, names in SHARDS.items() for n in names]
 
 
@@ -229,7 +229,7 @@ def test_cli_prints_the_chain_with_each_steps_config(store, tmp_path, arg):
     assert f"  path: {root}/token_cache/{TC}\n" in text[("token_cache", TC)]
     for split, names in SHARDS.items():
         for n in names:
-            assert f"    {split}  {n}  sha256 {_sha(n)}" in text[("raw_shards", RS)]
+            assert f"    {split}  {n}  fingerprint {_sha(n)}" in text[("raw_shards", RS)]
 
 
 def test_cli_json_equals_the_library_result(store, tmp_path):

@@ -182,7 +182,9 @@ def resolve(arg: str, store_root: str | None = None,
 
 
 def _shards(manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    """The raw shards a raw_shards manifest records: split, name, url, sha256, counts."""
+    """The raw shards a raw_shards manifest records: split, name, url, fingerprint, counts. A shard's
+    fingerprint is its content's identity (:func:`lm_pipeline.data.sources.shard.shard_fingerprint`: a
+    hash over its bytes' sha256 and the reader's settings), not the file's sha256sum."""
     out = []
     recorded = manifest.get("shards")
     if isinstance(recorded, dict):
@@ -190,12 +192,12 @@ def _shards(manifest: dict[str, Any]) -> list[dict[str, Any]]:
             for r in rows if isinstance(rows, list) else []:
                 if isinstance(r, dict):
                     out.append({"split": split, "name": r.get("name") or r.get("shard"), "url": r.get("url"),
-                                "sha256": r.get("fingerprint"), "records": r.get("records"), "valid": r.get("valid")})
+                                "fingerprint": r.get("fingerprint"), "records": r.get("records"), "valid": r.get("valid")})
     if not out:  # older manifests: the content hashes are the inputs "<split>/<name>"
         for key, value in (manifest.get("inputs") or {}).items():
             if "/" in key and isinstance(value, str):
                 split, name = key.split("/", 1)
-                out.append({"split": split, "name": name, "url": None, "sha256": value, "records": None,
+                out.append({"split": split, "name": name, "url": None, "fingerprint": value, "records": None,
                             "valid": None})
     return out
 
@@ -230,7 +232,7 @@ def lineage(store: ArtifactStore | str, stage: str, fingerprint: str,
     ``code_version``, ``config``, ``inputs`` (the manifest's, sources included), ``upstream``
     (the inputs that are artifacts: stage -> fingerprint), ``summary``, the manifest's
     ``checkpoint``/``step``/``run_dir``/``tokenizer_path`` where it has them, and for raw_shards
-    ``shards`` (split, name, url, sha256, records, valid). A missing or incomplete step has no
+    ``shards`` (split, name, url, fingerprint, records, valid). A missing or incomplete step has no
     upstream: the chain stops there. Order: the artifact first; a step comes after every step
     that reads it, later stages (in ``stages`` order) first among those ready together:
     ``hf_export, train_ckpt, token_cache, tokenizer, raw_shards``.
@@ -345,7 +347,7 @@ def format_lineage(steps: Sequence[dict[str, Any]]) -> str:
             lines.append(f"  shards ({len(s['shards'])}):")
             for sh in s["shards"]:
                 count = f"  {sh['records']} records" if sh.get("records") is not None else ""
-                lines.append(f"    {sh['split']}  {sh['name']}  sha256 {sh['sha256']}{count}")
+                lines.append(f"    {sh['split']}  {sh['name']}  fingerprint {sh['fingerprint']}{count}")
     return "\n".join(lines)
 
 
