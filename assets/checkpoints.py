@@ -19,7 +19,7 @@ import dagster as dg
 
 from assets import metadata as md
 from assets.dead_runs import tend
-from assets.deployment import Deployment
+from assets.deployment import Deployment, checkpoints_group
 from assets.names import CHECKPOINT_TAG, POOLS
 from resources import ArtifactStoreResource
 
@@ -106,7 +106,7 @@ def checkpoint_stage_asset(dep: Deployment, name: str, stage_name: str):
     train_key = dep.key(name, "train_ckpt")
 
     @dg.asset(key=dep.checkpoint_stages(name)[stage_name], deps=[train_key], partitions_def=checkpoints_partitions(name),
-              group_name=name, code_version=base.own_version(stage_name), kinds={stage.kind}, pool=POOLS.get(stage.pool),
+              group_name=checkpoints_group(name), code_version=base.own_version(stage_name), kinds={stage.kind}, pool=POOLS.get(stage.pool),
               description=f"{stage_name} ({name}'s settings) of one checkpoint of {train_key.to_user_string()} "
                           "(partition <run>-step<N>), requested by new_checkpoint_sensor as checkpoints land.")
     def checkpoint_eval(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:

@@ -39,6 +39,12 @@ COMPARISON_KEY = dg.AssetKey(["experiments", "comparison"])
 COMPARISON_GROUP = "experiments"
 
 
+def checkpoints_group(experiment: str) -> str:
+    """The asset group of ``experiment``'s per-checkpoint evaluation, apart from its lineage: a
+    partitioned asset in a group makes the group's "Materialize all" a backfill of partitions."""
+    return f"{experiment}_checkpoints"
+
+
 @dataclass
 class Node:
     """One stage asset: a stage of one experiment."""
@@ -156,6 +162,7 @@ class Deployment:
         return self.key(experiment, SOURCE)
 
     def checkpoint_eval_key(self, experiment: str) -> dg.AssetKey:
+        """``<experiment>/checkpoint_eval`` (in the group :func:`checkpoints_group`)."""
         return self.key(experiment, CHECKPOINT_EVAL)
 
     def shared_with(self, experiment: str, stage: str) -> list[str]:

@@ -273,7 +273,10 @@ def test_dagster_dev_serves_the_lineage_graph(tmp_path):
         assert graph[_name("hf_export")] == {src, _name("train_ckpt")}
         assert graph[_name("checkpoint_eval")] == {_name("train_ckpt")}
         assert graph[comparison] == {_name("train_ckpt"), _name("eval_report")}
-        assert {k: groups[k] for k in graph if k != comparison} == dict.fromkeys(set(graph) - {comparison}, EXP)
+        evals = _name("checkpoint_eval")
+        assert {k: groups[k] for k in graph if k not in (comparison, evals)} == dict.fromkeys(
+            set(graph) - {comparison, evals}, EXP)
+        assert groups[evals] == f"{EXP}_checkpoints"
         assert groups[comparison] == "experiments"
     finally:
         if proc.poll() is None:

@@ -70,6 +70,8 @@ def test_one_experiment_is_its_lineage_its_evaluations_and_the_comparison(experi
     assert graph.get(dg.AssetKey("data_sources")).is_observable
     assert {graph.get(dg.AssetKey(s)).group_name for s in LINEAGE} == {"tiny"}
     assert graph.get(dg.AssetKey("checkpoint_eval")).partitions_def.name == "checkpoints_tiny"
+    # the partitioned evaluations in a group of their own: the lineage group's "Materialize all" is no backfill
+    assert graph.get(dg.AssetKey("checkpoint_eval")).group_name == "tiny_checkpoints"
     assert all(graph.get(dg.AssetKey(k)).partitions_def is None for k in LINEAGE)
     # the main job: the data observed, the six, the comparison (never the partitioned evaluations)
     job = defs.resolve_job_def("pipeline")
@@ -108,7 +110,8 @@ def test_two_experiments_each_keep_their_own_keys_and_share_artifacts_by_address
     for e in ("gpt", "llama"):
         for stage, parents in EDGES.items():
             assert _parents(graph, f"{e}/{stage}") == {f"{e}/{p}" for p in parents} | {f"{e}/data_sources"}
-        assert {graph.get(dg.AssetKey([e, s])).group_name for s in STAGES} == {e}
+        assert {graph.get(dg.AssetKey([e, s])).group_name for s in STAGES if s != "checkpoint_eval"} == {e}
+        assert graph.get(dg.AssetKey([e, "checkpoint_eval"])).group_name == f"{e}_checkpoints"
     # the data, tokenizer and cache are the same artifacts: same code version, shown as shared
     other = {"gpt": "llama", "llama": "gpt"}
     for stage in ("raw_shards", "tokenizer", "token_cache"):

@@ -33,9 +33,10 @@ ARTIFACTS = pt.REPO / "test-artifacts" / "ui"
 # The deployment of pt.write_experiments: gpt and llama share their data and tokenizer (same config:
 # the same artifacts in the store), and train (and everything after) on their own. Each has its own
 # assets. Asset group -> the assets drawn in it.
-_STAGES = ("data_sources", "raw_shards", "tokenizer", "token_cache", "train_ckpt", "eval_report", "hf_export",
-           "checkpoint_eval")
-GROUPS = {"gpt": _STAGES, "llama": _STAGES, "experiments": ("comparison",)}
+_STAGES = ("data_sources", "raw_shards", "tokenizer", "token_cache", "train_ckpt", "eval_report", "hf_export")
+# each experiment's partitioned checkpoint evaluations in a group of their own
+GROUPS = {"gpt": _STAGES, "llama": _STAGES, "gpt_checkpoints": ("checkpoint_eval",),
+          "llama_checkpoints": ("checkpoint_eval",), "experiments": ("comparison",)}
 # The lineage edges (upstream, downstream) between "<group>/<name>" nodes: every stage also depends
 # on the data source directly; the comparison on both experiments' runs and evaluations.
 EDGES = set()
@@ -46,7 +47,7 @@ for _e in ("gpt", "llama"):
               (f"{_e}/token_cache", f"{_e}/train_ckpt"), (f"{_e}/token_cache", f"{_e}/eval_report"),
               (f"{_e}/data_sources", f"{_e}/train_ckpt"), (f"{_e}/data_sources", f"{_e}/eval_report"),
               (f"{_e}/data_sources", f"{_e}/hf_export"), (f"{_e}/train_ckpt", f"{_e}/eval_report"),
-              (f"{_e}/train_ckpt", f"{_e}/hf_export"), (f"{_e}/train_ckpt", f"{_e}/checkpoint_eval"),
+              (f"{_e}/train_ckpt", f"{_e}/hf_export"), (f"{_e}/train_ckpt", f"{_e}_checkpoints/checkpoint_eval"),
               (f"{_e}/eval_report", "experiments/comparison"), (f"{_e}/train_ckpt", "experiments/comparison")}
 # What the deployment starts RUNNING, stopped before the daemon starts (see the server fixture).
 AUTOMATION = (("sensor", "new_checkpoint_sensor"), ("sensor", "comparison_sensor"),
@@ -263,7 +264,7 @@ def test_global_asset_graph_shows_both_experiments_and_the_comparison(server, br
         g = d.execute_script(_GRAPH_JS)
         return g if g and set(GROUPS) <= {gr["name"] for gr in g["groups"]} else False
 
-    g = _wait(browser, collapsed, what="the three collapsed groups")
+    g = _wait(browser, collapsed, what="the collapsed groups")
     assert sorted(gr["name"] for gr in g["groups"]) == sorted(GROUPS) and not g["nodes"], g
     # "Expand all groups", from the graph's settings menu (the gear by the zoom controls)
     _dismiss_dialogs(browser)
