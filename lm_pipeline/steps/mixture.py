@@ -164,12 +164,9 @@ def run_semantics(cfg: RunConfig) -> dict[str, Any]:
 
 def raw_shards(ctx: BuildContext, inputs: Inputs) -> StageResult:
     """Each component's ``raw_shards`` (built or a hit), indexed: splits ``<component>/<split>``."""
-    built = {}
-    for name, sub in ctx.components().items():
-        with naming(name):
-            built[name] = sub.raw_shards()
 
     def write(path: str):
+        built = _each_component(ctx, "raw_shards")
         splits = {f"{name}/{split}": rows for name, res in built.items()
                   for split, rows in (res.manifest.get("shards") or {}).items()}
         summary: dict[str, Any] = {k: sum(int(r.manifest["summary"].get(k) or 0) for r in built.values())
@@ -183,12 +180,9 @@ def raw_shards(ctx: BuildContext, inputs: Inputs) -> StageResult:
 def token_cache(ctx: BuildContext, inputs: Inputs) -> StageResult:
     """Each component's ``token_cache`` (built or a hit), indexed."""
     tok = inputs["tokenizer"]
-    built = {}
-    for name, sub in ctx.components().items():
-        with naming(name):
-            built[name] = sub.token_cache()
 
     def write(path: str):
+        built = _each_component(ctx, "token_cache")
         splits = {f"{name}/{split}": counts for name, res in built.items()
                   for split, counts in (res.manifest["summary"].get("splits") or {}).items()}
         train = sum(int(res.manifest["summary"].get("train_tokens") or 0) for res in built.values())
@@ -196,6 +190,15 @@ def token_cache(ctx: BuildContext, inputs: Inputs) -> StageResult:
                                                             "components": _index(built)}
 
     return ctx.run(write)
+
+
+def _each_component(ctx: BuildContext, stage: str) -> dict[str, StageResult]:
+    """Each component's ``stage``, built or a hit (when the mixture's own index is not complete)."""
+    built = {}
+    for name, sub in ctx.components().items():
+        with naming(name):
+            built[name] = sub.build(stage)
+    return built
 
 
 def _index(built: dict[str, StageResult]) -> dict[str, dict[str, Any]]:
