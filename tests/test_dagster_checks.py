@@ -197,3 +197,65 @@ def test_a_failing_blocking_check_keeps_the_training_from_running(tmp_path):
     assert instance.get_latest_materialization_event(dg.AssetKey("train_ckpt")) is None
     assert "train_ckpt" not in {e.step_key for e in result.all_events if e.event_type_value == "STEP_START"}
     assert not (tmp_path / "store" / "train_ckpt").exists()
+
+
+def test_the_mixture_index_check_fails_when_a_component_cache_is_not_complete(built):
+    """A mixture's token_cache index names its components' caches: complete in the store passes;
+    one never built (or removed) fails, named."""
+    from assets.checks import mixture_index_outcome
+
+    store = ArtifactStore(built["exp"].store_root)
+    complete = {"web": {"fingerprint": built["cache"].fingerprint, "path": built["cache"].path}}
+    good = mixture_index_outcome(store, {"components": complete})
+    assert good.passed and "the 1 component caches are complete" in good.description
+    missing = {**complete, "code": {"fingerprint": "0123456789abcdef", "path": "/nowhere"}}
+    bad = mixture_index_outcome(store, {"components": missing})
+    assert not bad.passed and bad.severity == ERROR and "component caches ['code'] are not complete" in bad.description
+
+
+def _plant(path: Path, edit) -> None:
+    """Rewrite an artifact's manifest in the store (a bad artifact where Dagster recorded a good one)."""
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.slow  # one experiment's lineage through Dagster, then its checks alone: ~40 s
+def test_each_check_fails_through_dagster_on_a_planted_bad_artifact(tmp_path):
+    """The lineage materialized (every check passes or warns), then bad artifacts planted where
+    Dagster's materializations point: a diverged training loss, an evaluation with infinite bits
+    per byte, an export whose weights were changed after it was written. Running the checks alone
+    (no asset re-materialized) records each one's failure with what it measured."""
+    from assets.pipeline import lineage_selection
+    from resources import TrainingLauncherResource
+
+    exp = load_experiment(pt.write_config(tmp_path), overrides=[])
+    dep = Deployment([exp], default=exp.name)
+    instance = dg.DagsterInstance.ephemeral()
+    resources = {**default_resources(exp), "training": TrainingLauncherResource(mode="in_process", poll_seconds=0.2)}
+    assert dg.materialize(build_assets(dep), selection=lineage_selection(dep), resources=resources,
+                          instance=instance).success
+    pipe = exp.fresh_pipeline(ArtifactStore(exp.store_root))
+    train, report, export = (Path(pipe.cached(s).path) for s in ("train_ckpt", "eval_report", "hf_export"))
+    _plant(train / "manifest.json", lambda m: m["summary"].update({"train/loss": float("nan")}))
+    _plant(report / "manifest.json", lambda m: [r.update(bpb=float("inf")) for r in m["rows"] if r.get("kind") == "micro"])
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(export / "model.safetensors")
+    name = next(k for k in sorted(weights) if k.endswith("c_fc.weight"))
+    weights[name] = (weights[name] + 0.5).astype(weights[name].dtype)
+    save_file(weights, export / "model.safetensors", metadata={"format": "pt"})
+
+    checks = [dg.AssetCheckKey(dg.AssetKey(s), n) for s, n in
+              (("train_ckpt", "final_loss"), ("eval_report", "bpb_vs_unigram"), ("hf_export", "loads_in_transformers"))]
+    result = dg.materialize(build_assets(dep), selection=dg.AssetSelection.checks(*checks), resources=resources,
+                            instance=instance, raise_on_error=False)
+    assert not [e for e in result.all_events if e.event_type_value == "ASSET_MATERIALIZATION"]  # the checks alone
+    evaluations = {e.asset_check_evaluation_data.asset_check_key: e.asset_check_evaluation_data
+                   for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
+    assert set(evaluations) == set(checks)
+    assert all(not e.passed and e.severity == dg.AssetCheckSeverity.ERROR for e in evaluations.values())
+    loss, bpb, logits = (evaluations[k] for k in checks)
+    assert "the final training loss is nan (not finite): the run diverged" in loss.description
+    assert "bits per byte is inf (not finite)" in bpb.description
+    assert "logits differ" in logits.description and logits.metadata["relative_diff"].value > 1e-4
