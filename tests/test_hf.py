@@ -243,7 +243,7 @@ def test_config_from_hf_rejects_unsupported():
         assert config_from_hf(hf_config(cfg, 50)) == cfg
     base = hf_config(LLAMA, 50)
     with pytest.raises(ConfigError, match="rope"):
-        config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        config_from_hf({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
     with pytest.raises(ConfigError, match="mlp_bias"):
         config_from_hf({**base, "attention_bias": True, "mlp_bias": False})
     with pytest.raises(ConfigError, match="model_type"):

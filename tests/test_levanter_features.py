@@ -252,3 +252,16 @@ def test_scaled_rope_matches_transformers(kind):
 def test_plain_levanter_rope_adds_no_scaling():
     cfg = load_config(None, {**LLAMA, "model.rope": {"type": "default", "theta": 10000, "factor": 1.0}}).model
     assert cfg.rope_scaling is None and cfg.rope_parameters() == {"rope_type": "default", "rope_theta": 10000}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPES))
+def test_a_scaled_rope_round_trips_through_config_json(kind):
+    """What the export writes is read back as the same model config (continued pretraining from a
+    Llama 3.1 or YaRN model keeps its rope)."""
+    from lm_pipeline.hf.load import config_from_hf
+    from lm_pipeline.models.hf_mapping import hf_config
+
+    cfg = load_config(None, {**LLAMA, "model.rope": ROPES[kind]}).model
+    assert config_from_hf(hf_config(cfg, 64)) == cfg
+    v5 = {k: v for k, v in hf_config(cfg, 64).items() if k not in ("rope_theta", "rope_scaling")}
+    assert config_from_hf({**v5, "rope_parameters": cfg.rope_parameters()}) == cfg

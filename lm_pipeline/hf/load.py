@@ -45,13 +45,29 @@ def _activation(hf: Mapping[str, Any], key: str, default: str) -> str:
     return _ACTIVATIONS[act]
 
 
+#: transformers' rope_parameters keys of the scaled rotary embeddings our Llama implements.
+_ROPE_SCALING_KEYS = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
+                      "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+
+
+def _rope_scaling(hf: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``model.rope_scaling`` for a config.json's ``rope_parameters`` (or the older ``rope_scaling``):
+    None for the default rope; linear, llama3 and yarn carried; any other type refused."""
+    where = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = hf.get(where) or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind not in ("linear", "llama3", "yarn") or params.get("truncate", True) is not True:
+        raise ConfigError(where, f"rope type {kind!r} is not supported (default, linear, llama3, yarn)")
+    out = {"type": kind, **{k: params[k] for k in _ROPE_SCALING_KEYS if params.get(k) is not None}}
+    if kind != "linear":  # transformers falls back to max_position_embeddings
+        out.setdefault("original_max_position_embeddings", int(hf.get("max_position_embeddings", 2048)))
+    return out
+
+
 def _rope_theta(hf: Mapping[str, Any]) -> float:
     params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for where, p in (("rope_parameters", params), ("rope_scaling", scaling)):
-        kind = p.get("rope_type", p.get("type", "default"))
-        if kind not in (None, "default"):
-            raise ConfigError(where, f"rope type {kind!r} is not supported (only the default rotary embedding)")
     top, nested = hf.get("rope_theta"), params.get("rope_theta")
     if top is not None and nested is not None and float(top) != float(nested):
         raise ConfigError("rope_theta", f"config.json sets rope_theta {top} and rope_parameters.rope_theta {nested}; "
@@ -113,6 +129,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> LmConfig:
             "initializer_range": float(hf.get("initializer_range", 0.02)),
             "layer_norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
             "rope_theta": _rope_theta(hf),
+            "rope_scaling": _rope_scaling(hf),
             "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "use_bias": attn_bias,
         }
