@@ -91,6 +91,22 @@ LEVANTER_KEYS: tuple[LevanterKey, ...] = (
 
 _BY_PATH = {k.path: k for k in LEVANTER_KEYS}
 
+#: Levanter's model families (``model.type``) that have no implementation here.
+LEVANTER_MODEL_TYPES = {
+    "gpt2_hyena": "GPT-2 with Hyena operators instead of attention", "backpack": "Backpack language models",
+    "mistral": "Mistral", "mixtral": "Mixtral, a mixture of experts", "gemma": "Gemma", "gemma2": "Gemma 2",
+    "gemma3": "Gemma 3", "olmo": "OLMo", "olmo2": "OLMo 2", "olmo3": "OLMo 3", "qwen": "Qwen", "qwen3": "Qwen3",
+    "whisper": "Whisper, speech to text",
+}
+
+
+def model_type_refusal(kind: str, valid: list[str]) -> str | None:
+    """The one-line message for one of Levanter's model families, or None for any other name."""
+    what = LEVANTER_MODEL_TYPES.get(kind)
+    if what is None:
+        return None
+    return f"Levanter's `model.type: {kind}` ({what}) is not supported here: use one of {', '.join(valid)}"
+
 #: Levanter keys whose value null means "Levanter's default": accepted silently when null.
 NULL_IS_DEFAULT = ("optimizer.cooldown", "optimizer.haps", "optimizer.weight_decay_modules",
                    "optimizer.default_weight_decay_mask", "model.cross_entropy_block_size",

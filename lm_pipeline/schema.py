@@ -241,6 +241,11 @@ def _from_choice(base: type[Choice], value: Any, path: str) -> Any:
         kind = next((k for k, c in family.registry.items() if c is base), None)
     if not isinstance(kind, str) or kind not in family.registry:  # a list or mapping is no type name
         names = sorted(family.registry)
+        from lm_pipeline import levanter
+
+        known = levanter.model_type_refusal(kind, names) if path == "model" and isinstance(kind, str) else None
+        if known is not None:
+            raise ConfigError(f"{path}.type", known)
         hint = difflib.get_close_matches(str(kind), names, n=1)
         extra = f" (did you mean {hint[0]!r}?)" if hint else ""
         raise ConfigError(f"{path}.type" if path else "type", f"unknown type {kind!r}; valid: {', '.join(names)}{extra}")

@@ -150,3 +150,10 @@ def test_the_training_guide_lists_each_levanter_key_with_what_happens_to_it():
         status = {"no_effect": "no effect", "refused": "refused"}[key.status]
         assert any(row.startswith(f"| `{key.path}`") and f"| {status} |" in row for row in rows), key.path
     assert "runs as it is" not in text
+
+
+def test_levanter_model_families_not_here_are_named_as_levanters():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"model.type": "gpt2_hyena", "model.hyena": {"filter_order": 16}})
+    assert str(err.value).startswith("config field 'model.type': Levanter's `model.type: gpt2_hyena` (")
+    assert "use one of gpt2, llama" in str(err.value)
