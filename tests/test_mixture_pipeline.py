@@ -71,6 +71,17 @@ def test_each_source_is_cached_once_shared_and_rebuilt_alone(tmp_path):
     cache = open_cache(f"{index['books']['path']}/train")
     assert cache.read_tokens(0, cache.num_tokens).tolist() == expected
 
+    # its lineage follows each component's cache back to that component's own raw shards
+    from lm_pipeline.steps.lineage import lineage
+
+    chain = {(step["stage"], step["fingerprint"]): step for step in lineage(pipe.store, "token_cache", built.fingerprint)}
+    for name in COMPONENTS:
+        sub = pipe.components()[name]
+        step = chain[("token_cache", index[name]["fingerprint"])]
+        assert step["read_by"] == [f"token_cache/{built.fingerprint}"]
+        assert step["upstream"]["raw_shards"] == sub.address("raw_shards").fingerprint
+        assert ("raw_shards", sub.address("raw_shards").fingerprint) in chain
+
     # another experiment mixing the same sources at other weights builds no cache
     other = Pipeline(load_config(write_mixture(tmp_path, [[0, {"web": 1}], [2, {"code": 1, "books": 3}]],
                                                "other.yaml")), progress=False)

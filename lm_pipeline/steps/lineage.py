@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from lm_pipeline import fs
+from lm_pipeline.steps.mixture import input_stage
 from lm_pipeline.steps.stages import stage_table
 from lm_pipeline.store import MANIFEST, ArtifactStore, open_store
 
@@ -212,7 +213,7 @@ def _step(store: ArtifactStore, stage: str, fp: str, stages: Sequence[str]) -> d
     inputs = m.get("inputs") or {}
     step.update({"status": "complete", "created": m.get("created"), "code_version": m.get("code_version"),
                  "config": m.get("config"), "inputs": inputs,
-                 "upstream": {k: v for k, v in inputs.items() if k in stages and isinstance(v, str)},
+                 "upstream": {k: v for k, v in inputs.items() if input_stage(k, stages) and isinstance(v, str)},
                  "summary": m.get("summary") or {}})
     for key in ("checkpoint", "step", "run_dir", "tokenizer_path"):
         if key in m:
@@ -220,6 +221,11 @@ def _step(store: ArtifactStore, stage: str, fp: str, stages: Sequence[str]) -> d
     if stage == "raw_shards":
         step["shards"] = _shards(m)
     return step
+
+
+def _upstream(step: dict[str, Any], stages: Sequence[str]) -> list[tuple[str, str]]:
+    """(stage, fingerprint) of each artifact a step read (a mixture's components: their token caches)."""
+    return [(input_stage(k, stages), v) for k, v in step.get("upstream", {}).items()]
 
 
 def lineage(store: ArtifactStore | str, stage: str, fingerprint: str,
@@ -247,7 +253,7 @@ def lineage(store: ArtifactStore | str, stage: str, fingerprint: str,
         if key in found:
             continue
         step = found[key] = _step(store, *key, stages)
-        for up in step.get("upstream", {}).items():
+        for up in _upstream(step, stages):
             readers.setdefault(up, []).append(key)
             todo.append(up)
     rank = {name: i for i, name in enumerate(stages)}
@@ -258,7 +264,7 @@ def lineage(store: ArtifactStore | str, stage: str, fingerprint: str,
         ready.sort(key=lambda k: (rank.get(k[0], -1), k[1]))
         key = ready.pop()  # the latest stage first
         order.append(key)
-        for up in found[key].get("upstream", {}).items():
+        for up in _upstream(found[key], stages):
             waiting[up] -= 1
             if waiting[up] == 0:
                 ready.append(up)

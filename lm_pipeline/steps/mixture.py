@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lm_pipeline.fingerprint import semantic_view
@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 #: The stages each component has of its own (the rest are the mixture's).
 COMPONENT_STAGES = ("raw_shards", "tokenizer", "token_cache")
+
+#: How the mixture's ``token_cache`` names a component's cache among its inputs.
+COMPONENT_INPUT = "components/"
 
 #: Fields of the data section that decide how the mixture draws rows (the run's, not the caches').
 DRAW_FIELDS = ("train_weights", "stop_strategy", "mixture_block_size")
@@ -133,11 +136,20 @@ def training_shards(all_shards: dict[str, list]) -> list:
     return [s for split in training_splits(all_shards) for s in all_shards[split]]
 
 
+def input_stage(key: str, stages: Sequence[str]) -> str | None:
+    """The stage of the artifact an input key of a manifest names: the key itself when it is a
+    stage, ``token_cache`` for a mixture's ``components/<name>`` (:func:`cache_sources`), else
+    None (a source: a content hash, a checkpoint step)."""
+    if key in stages:
+        return key
+    return "token_cache" if key.startswith(COMPONENT_INPUT) and "token_cache" in stages else None
+
+
 def cache_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
     """The mixture's ``token_cache`` inputs besides its upstream stages: each component cache's
     fingerprint (with ``content=False``, its config version); none without a mixture."""
-    return {f"components/{name}": sub.address("token_cache").fingerprint if content else sub.config_version("token_cache")
-            for name, sub in pipe.components().items()}
+    return {f"{COMPONENT_INPUT}{name}": sub.address("token_cache").fingerprint if content
+            else sub.config_version("token_cache") for name, sub in pipe.components().items()}
 
 
 def url_locations(data: Any) -> list[tuple[str, str]]:
