@@ -146,3 +146,23 @@ def test_a_config_without_tasks_has_no_task_evaluation(tmp_path, capsys):
     assert err == ("error: config: stage 'task_eval' does not apply to this experiment: its config has no "
                    "eval_harness tasks (eval_harness.task_spec)")
     assert not (tmp_path / "store").exists()  # refused before any work
+
+
+def test_the_comparison_shows_task_scores_side_by_side(run, tmp_path):
+    """An experiment with tasks beside one without: a column per task and metric, empty for the other."""
+    from lm_pipeline.steps import comparison
+
+    pipe = _pipe(run["config"])
+    other = _pipe(pt.write_config(run["tmp"], "plain.yaml"))  # the same data and run, no eval_harness
+    assert "task_eval" not in other.stages and other.address("train_ckpt") == pipe.address("train_ckpt")
+    res = comparison.compare(pipe.store, {"tasks": pipe, "plain": other})
+    shown = comparison.metadata(res)
+    scores = {f"{r['task']}/{r['metric']}": r["value"] for r in pipe.cached("task_eval").manifest["rows"]}
+    rows = {r["experiment"]: r for r in shown["comparison"].rows}
+    assert [c for c, _ in shown["comparison"].columns][-4:] == sorted(scores)
+    assert {c: rows["tasks"][c] for c in scores} == scores and all(rows["plain"][c] is None for c in scores)
+    assert res.manifest["inputs"]["tasks"]["task_eval"] == pipe.cached("task_eval").fingerprint
+    assert "task_eval" not in res.manifest["inputs"]["plain"]
+    md = shown["comparison_md"].text.splitlines()
+    assert md[0].endswith(" | ".join(sorted(scores)) + " |") and md[3].startswith("| plain |") and md[3].endswith("| — | — | — | — |")
+    assert md[2].startswith("| tasks |") and md[2].endswith(" | ".join(f"{scores[c]:.4g}" for c in sorted(scores)) + " |")

@@ -1,7 +1,8 @@
 """The comparison of experiments: every experiment's final evaluation side by side.
 
 Per experiment: its model, parameters, training tokens and wall time, and its final evaluation
-(loss, bits per byte) beside the unigram baseline of the same validation data. It is an artifact
+(loss, bits per byte) beside the unigram baseline of the same validation data; where experiments
+evaluate downstream tasks (``task_eval``), one column per task and metric. It is an artifact
 like a stage's: ``<store>/comparison/<fingerprint>/`` holds ``comparison.json`` and
 ``comparison.png``; its fingerprint hashes what it reads (each experiment's model, training run
 and evaluation report), so an unchanged set of reports is a cache hit; it is built by
@@ -23,8 +24,9 @@ from lm_pipeline.steps.result import Address, StageResult
 NAME = "comparison"
 CODE_VERSION = 1
 COLUMNS = ("experiment", "model", "params", "step", "train_tokens", "train_seconds", "eval_loss", "bpb",
-           "macro_bpb", "unigram_bpb", "bpb_vs_unigram", "bpb_by_set", "eval_report", "train_ckpt")
-_TEXT_COLUMNS = ("experiment", "model", "bpb_by_set", "eval_report", "train_ckpt")
+           "macro_bpb", "unigram_bpb", "bpb_vs_unigram", "bpb_by_set", "eval_report", "train_ckpt", "task_eval")
+_TEXT_COLUMNS = ("experiment", "model", "bpb_by_set", "eval_report", "train_ckpt", "task_eval")
+_FINGERPRINTS = ("eval_report", "train_ckpt", "task_eval")  # not in the markdown table
 
 
 def _micro(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
@@ -35,7 +37,7 @@ def experiment_row(name: str, pipe) -> dict[str, Any]:
     """One experiment's row: its final evaluation and training, read from the store (no compute).
     Values are None where the experiment has not been trained or evaluated yet."""
     row: dict[str, Any] = dict.fromkeys(COLUMNS)
-    row.update(experiment=name, model=pipe.cfg.model.type)
+    row.update(experiment=name, model=pipe.cfg.model.type, tasks={})
     train = pipe.cached("train_ckpt")
     if train is None:
         return row
@@ -54,13 +56,26 @@ def experiment_row(name: str, pipe) -> dict[str, Any]:
                                         if r.get("kind") == "dataset" and r.get("bpb") is not None))
         if row["bpb"] is not None and row["unigram_bpb"]:
             row["bpb_vs_unigram"] = row["bpb"] / row["unigram_bpb"]
+    tasks = pipe.cached("task_eval") if "task_eval" in pipe.stages else None  # an experiment with tasks
+    if tasks is not None:
+        row.update(task_eval=tasks.fingerprint,
+                   tasks={f"{r['task']}/{r['metric']}": r["value"] for r in tasks.manifest.get("rows") or []})
     return row
+
+
+def task_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every ``<task>/<metric>`` some experiment has a score for, sorted."""
+    return sorted({c for r in rows for c in r.get("tasks") or {}})
+
+
+def _cells(row: Mapping[str, Any], columns: Sequence[str]) -> dict[str, Any]:
+    return {c: row.get(c, (row.get("tasks") or {}).get(c)) for c in columns}
 
 
 def address(rows: Sequence[Mapping[str, Any]]) -> Address:
     """The comparison's address: what it reads (each experiment's model, run and report)."""
-    inputs = {r["experiment"]: {"model": r["model"], "train_ckpt": r["train_ckpt"], "eval_report": r["eval_report"]}
-              for r in rows}
+    inputs = {r["experiment"]: {"model": r["model"], "train_ckpt": r["train_ckpt"], "eval_report": r["eval_report"],
+                                **({"task_eval": r["task_eval"]} if r.get("task_eval") else {})} for r in rows}
     return Address(NAME, fingerprint(NAME, {}, CODE_VERSION, inputs), {}, inputs, CODE_VERSION)
 
 
@@ -93,9 +108,9 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
             return "—"
         return f"{v:.4g}" if isinstance(v, float) else str(v)
 
-    shown = COLUMNS[:-2]
+    shown = [c for c in COLUMNS if c not in _FINGERPRINTS] + task_columns(rows)
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
-    lines += ["| " + " | ".join(cell(r.get(c)) for c in shown) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell(v) for v in _cells(r, shown).values()) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -117,8 +132,9 @@ def metadata(res: StageResult) -> dict[str, Any]:
     rows = res.manifest.get("rows") or []
     out: dict[str, Any] = {"path": Path(res.path), "fingerprint": res.fingerprint, "cache_hit": bool(res.hit),
                            "experiments": len(rows), "evaluated": sum(r.get("bpb") is not None for r in rows),
-                           "comparison": Table(tuple((c, "string" if c in _TEXT_COLUMNS else "float") for c in COLUMNS),
-                                               tuple({c: r.get(c) for c in COLUMNS} for r in rows)),
+                           "comparison": Table(tuple((c, "string" if c in _TEXT_COLUMNS else "float") for c in COLUMNS)
+                                               + tuple((c, "float") for c in task_columns(rows)),
+                                               tuple(_cells(r, (*COLUMNS, *task_columns(rows))) for r in rows)),
                            "comparison_md": Markdown(markdown_table(rows))}
     if any(r.get("bpb") is not None for r in rows):
         png = fs.read_bytes(fs.join(res.path, "comparison.png"))
