@@ -76,8 +76,9 @@ def _save(fig, path: str) -> str:
     return path
 
 
-def _line_plot(path: str, lines: dict[str, list[tuple[float, float]]], *, xlabel: str, ylabel: str,
-               title: str, markers: bool = False) -> str | None:
+def line_plot(path: str, lines: dict[str, list[tuple[float, float]]], *, xlabel: str, ylabel: str,
+              title: str, markers: bool = False) -> str | None:
+    """A PNG at ``path`` of each labelled series of (x, y) points; None (nothing written) when all are empty."""
     lines = {k: v for k, v in lines.items() if v}
     if not lines:
         return None
@@ -108,16 +109,16 @@ def write_training_plots(run_dir: str) -> list[str]:
         out_dir = fs.join(run_dir, PLOTS_DIR)
         bpb_keys = sorted({k for r in records for k in r if k.startswith("eval/") and k.endswith("/bpb")})
         written = [
-            _line_plot(fs.join(out_dir, "loss.png"),
+            line_plot(fs.join(out_dir, "loss.png"),
                        {"train/loss": _series(records, "train/loss"), "eval/loss": _series(records, "eval/loss")},
                        xlabel="step", ylabel="loss (nats/token)", title="loss"),
-            _line_plot(fs.join(out_dir, "learning_rate.png"),
+            line_plot(fs.join(out_dir, "learning_rate.png"),
                        {"learning rate": _series(records, "optim/learning_rate")},
                        xlabel="step", ylabel="learning rate", title="learning rate"),
-            _line_plot(fs.join(out_dir, "eval_bpb.png"),
+            line_plot(fs.join(out_dir, "eval_bpb.png"),
                        {k[len("eval/"):-len("/bpb")]: _series(records, k) for k in bpb_keys},
                        xlabel="step", ylabel="bits per byte", title="eval bpb per checkpoint", markers=True),
-            _line_plot(fs.join(out_dir, "tokens_per_second.png"),
+            line_plot(fs.join(out_dir, "tokens_per_second.png"),
                        {"tokens/s": _elapsed_throughput(records)},
                        xlabel="elapsed training time (s)", ylabel="tokens/s", title="throughput"),
         ]
@@ -140,7 +141,7 @@ def write_eval_plot(rows: list[dict[str, Any]], path: str) -> str | None:
         import matplotlib
 
         matplotlib.use("Agg", force=True)
-        return _line_plot(path, {k: sorted(v) for k, v in lines.items()}, xlabel="checkpoint step",
+        return line_plot(path, {k: sorted(v) for k, v in lines.items()}, xlabel="checkpoint step",
                           ylabel="bits per byte", title="eval bpb per checkpoint", markers=True)
     except Exception as e:  # noqa: BLE001
         log.warning("could not write the eval plot %s: %s", path, e)

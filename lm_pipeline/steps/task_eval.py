@@ -113,7 +113,8 @@ def accuracy_plot(manifests: list[dict[str, Any]]) -> bytes | None:
     """Each task's accuracy (``acc``, else its first metric) over the run's evaluated steps, as a PNG."""
     import tempfile
 
-    from lm_pipeline.plots import _line_plot
+    from lm_pipeline import fs
+    from lm_pipeline.plots import line_plot
 
     lines: dict[str, list[tuple[float, float]]] = {}
     for m in manifests:
@@ -124,9 +125,9 @@ def accuracy_plot(manifests: list[dict[str, Any]]) -> bytes | None:
             metric = "acc" if "acc" in values else next(iter(values))
             lines.setdefault(f"{task} {metric}", []).append((float(m.get("step", 0)), float(values[metric])))
     with tempfile.TemporaryDirectory() as tmp:
-        path = _line_plot(os.path.join(tmp, "tasks.png"), lines, xlabel="step", ylabel="score",
-                          title="downstream tasks per checkpoint", markers=True)
-        return open(path, "rb").read() if path else None
+        path = line_plot(os.path.join(tmp, "tasks.png"), lines, xlabel="step", ylabel="score",
+                         title="downstream tasks per checkpoint", markers=True)
+        return fs.read_bytes(path) if path else None
 
 
 def metadata(res) -> dict[str, Any]:
