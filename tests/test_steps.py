@@ -17,7 +17,7 @@ from helpers import pipeline as pt
 
 from lm_pipeline.config import RunConfig, load_config
 from lm_pipeline.schema import Choice
-from lm_pipeline.steps import STAGE_NAMES, Pipeline, complete_checkpoints
+from lm_pipeline.steps import STAGES, Pipeline, complete_checkpoints
 from lm_pipeline.store import ArtifactStore
 
 # --------------------------------------------------------------------------------------------
@@ -89,6 +89,14 @@ EXPECTED_SEMANTIC = {
     "eval.unigram_baseline": True, "eval.report_dir": False,
     "export.hf_save_steps": False, "export.hf_save_path": False, "export.hf_upload": False,
     "export.hf_upload_private": False, "export.max_shard_size": True, "export.dtype": True,
+    # downstream tasks (task_eval): what changes a score; batching and the samples file do not
+    **{f"eval_harness.{f}": True for f in (
+        "max_examples", "max_eval_length", "bootstrap_iters", "apply_chat_template", "include_path", "add_bos_token")},
+    "eval_harness.log_samples": False, "eval_harness.batch_size": False,
+    **{f"eval_harness.task_spec.{f}": True for f in (
+        "task", "task_alias", "num_fewshot", "use_prompt", "description", "target_delimiter", "fewshot_delimiter",
+        "doc_to_text", "doc_to_target", "doc_to_choice")},
+    "eval_harness_steps": False,
 }
 
 
@@ -155,6 +163,10 @@ def tiny(tmp_path):
 
 def _pipe(path: Path, overrides: dict | None = None, **kw) -> Pipeline:
     return Pipeline(load_config(path, overrides or {}), progress=False, **kw)
+
+
+#: The stages of a config without eval_harness tasks (the tiny one): all but those that may not apply.
+STAGE_NAMES = tuple(s.name for s in STAGES if s.not_applicable is None)
 
 
 def _addresses(p: Pipeline) -> dict[str, str]:
