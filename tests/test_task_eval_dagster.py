@@ -96,6 +96,13 @@ def test_task_evaluations_per_experiment_and_checkpoint_cached_and_staled_by_the
     assert first.success
     final = {n: first.asset_materializations_for_node(f"{n}__task_eval")[0] for n in NAMES}
     assert all(m.metadata["cache_hit"].value is False for m in final.values())
+    # the comparison: each experiment's task scores side by side, as its task_eval shows them
+    table = first.asset_materializations_for_node("experiments__comparison")[0].metadata["comparison"].value
+    compared = {r.data["experiment"]: r.data for r in table.records}
+    for n in NAMES:
+        scores = {f"{t}/{r.data['metric']}": r.data["value"] for t in ("tiny_hellaswag", "tiny_arc")
+                  for r in final[n].metadata[f"task_{t}"].value.records}
+        assert len(scores) == 4 and {c: compared[n][c] for c in scores} == scores
 
     # the sensor: each experiment's two checkpoints, requested once; each run evaluates both ways
     result = _sensor(w)
