@@ -12,11 +12,11 @@ and nothing else, as ``lm-pipeline plan`` says. The mixture's weights are shown 
 use them: a table and a plot of the schedule (:func:`lm_pipeline.steps.mixture.schedule_png`).
 """
 
-import re
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
+from lm_pipeline.data.component_names import asset_segment
 from resources import ArtifactStoreResource  # a resource annotation Dagster resolves at definition
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ COMPONENTS = "components"
 
 def component_key(dep: "Deployment", experiment: str, component: str, what: str) -> dg.AssetKey:
     """``<experiment>/components/<component>/<what>`` (bare for the default experiment)."""
-    return dg.AssetKey([*dep.prefix(experiment), COMPONENTS, re.sub(r"[^A-Za-z0-9_]", "_", component), what])
+    return dg.AssetKey([*dep.prefix(experiment), COMPONENTS, asset_segment(component), what])
 
 
 def add_components(dep: "Deployment", exp: "Experiment", pipe) -> None:

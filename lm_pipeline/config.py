@@ -420,13 +420,25 @@ def _top_level_checkpointer(raw: dict[str, Any], key: str) -> str:
     return key
 
 
+def _override_parts(raw: dict[str, Any], key: str) -> list[str]:
+    """The dotted ``key`` split into its parts; a mixture component's name holding '.' stays one
+    part when the file names that component (``data.configs.c4.en.train_urls``)."""
+    parts = key.split(".")
+    configs = raw.get("data", {}).get("configs") if isinstance(raw.get("data"), dict) else None
+    if parts[:2] == ["data", "configs"] and isinstance(configs, dict) and len(parts) > 4:
+        for end in range(len(parts) - 1, 3, -1):
+            if ".".join(parts[2:end]) in configs:
+                return [*parts[:2], ".".join(parts[2:end]), *parts[end:]]
+    return parts
+
+
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     """Set each dotted key; an override replaces the file's value of that field whichever
     spelling (name, alias, or a translated key such as LLM Trainer's ``use_amp`` for ``mp``)
     either uses. Two spellings within one file stay an error."""
     for key, value in overrides:
         key = _top_level_checkpointer(raw, key)
-        parts = key.split(".")
+        parts = _override_parts(raw, key)
         for mapping, spelling in _spellings_to_drop(raw, parts):
             del mapping[spelling]
         _replace_translated(raw, key)

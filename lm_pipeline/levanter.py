@@ -76,6 +76,8 @@ LEVANTER_KEYS: tuple[LevanterKey, ...] = (
     _k("trainer.checkpointer.append_run_id_to_base_path", "whether checkpoints go under <base_path>/<run id>",
        "no_effect", "checkpoints always go under `<base_path>/<run id>`; `trainer.id` names that directory"),
     _k("trainer.tracker.save_xla_dumps", "uploading XLA dumps to wandb", "no_effect", "no XLA dumps are written"),
+    _k("data.configs.<name>.tags", "labels of a mixture's component, its evaluation metrics also grouped by them",
+       "no_effect", "each component's validation sets are evaluated and reported as `<component>/<set>`"),
     # --- what, not how: refused until implemented ------------------------------------------
     _k("model.rope", "the rotary embedding and its scaling", "refused",
        "GPT-2 has learned positions; rotary embeddings are the llama family's (type: llama)"),
@@ -87,6 +89,8 @@ LEVANTER_KEYS: tuple[LevanterKey, ...] = (
        "weight decay applies to matrices here; remove it"),
     _k("optimizer.default_weight_decay_mask", "the default weight decay mask", "refused",
        "weight decay applies to matrices here; remove it"),
+    _k("data.vocab_size", "the vocabulary size of its passthrough tokenizer, for data already tokenized", "refused",
+       "text is tokenized here by `data.tokenizer`, which gives the vocabulary; remove it"),
 )
 
 _BY_PATH = {k.path: k for k in LEVANTER_KEYS}
@@ -110,14 +114,20 @@ def model_type_refusal(kind: str, valid: list[str]) -> str | None:
 #: Levanter keys whose value null means "Levanter's default": accepted silently when null.
 NULL_IS_DEFAULT = ("optimizer.cooldown", "optimizer.haps", "optimizer.weight_decay_modules",
                    "optimizer.default_weight_decay_mask", "model.cross_entropy_block_size",
-                   "model.flash_attention_block_size", "model.attn_backend")
+                   "model.flash_attention_block_size", "model.attn_backend", "data.vocab_size")
 
 _INDEX = re.compile(r"\[\d+\]")
+_COMPONENT_KEY = re.compile(r"^data\.configs\..+\.([^.]+)$")  # a mixture component's key (names may hold '.')
+
+
+def _table_path(path: str) -> str:
+    """``path`` as the table writes it: list indices dropped, a component's name as ``<name>``."""
+    return _COMPONENT_KEY.sub(r"data.configs.<name>.\1", _INDEX.sub("", path))
 
 
 def levanter_key(path: str) -> LevanterKey | None:
     """The table's entry for a dotted config path (list indices ignored), if any."""
-    return _BY_PATH.get(_INDEX.sub("", path))
+    return _BY_PATH.get(_table_path(path))
 
 
 def refusal(key: LevanterKey, path: str) -> str:
@@ -137,6 +147,7 @@ def note(path: str, text: str) -> None:
 
 
 def accept(key: LevanterKey, path: str) -> None:
-    """Log once that the Levanter key at ``path`` is accepted and has no effect here."""
-    where = _INDEX.sub("", path)
+    """Log once that the Levanter key at ``path`` is accepted and has no effect here (once for all
+    of a mixture's components)."""
+    where = _table_path(path)
     note(where, f"Levanter's `{where}` ({key.does}) has no effect here: {key.here}")

@@ -199,14 +199,13 @@ def test_the_run_ends_where_the_stop_strategy_says(tmp_path):
     assert res.final_step == step and 0 < step < 50
 
 
-def test_a_component_without_training_data_is_refused_before_any_work(tmp_path):
-    mix = write_mixture(tmp_path, {"web": 1})
+def test_a_weighted_component_without_training_data_is_refused_before_any_work(tmp_path):
+    mix = write_mixture(tmp_path, {"web": 1, "books": 1})
     raw = yaml.safe_load(mix.read_text(encoding="utf-8"))
     raw["data"]["configs"]["books"] = {"validation_urls": raw["data"]["configs"]["books"].pop("train_urls")}
     mix.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
-    pipe = Pipeline(load_config(mix), progress=False)
-    with pytest.raises(ConfigError, match=r"data\.configs\.books.*has no training data"):
-        pipe.plan()
+    with pytest.raises(ConfigError, match=r"data\.configs\.books.*has a weight in train_weights but no training data"):
+        load_config(mix)
     assert not (tmp_path / "store").exists()
 
 

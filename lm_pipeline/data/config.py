@@ -101,10 +101,13 @@ class SourceConfig:
 
     @classmethod
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """``train_urls:``/``validation_urls:`` left empty (null) mean none."""
+        """``train_urls:``/``validation_urls:`` left empty (null) mean none; Levanter's ``format:
+        {type: text, text_key: k}`` is ``text_key: k``; its other formats are refused."""
         for key in ("train_urls", "validation_urls"):
             if key in data and data[key] is None:
                 del data[key]
+        if isinstance(data.get("format"), dict):
+            _levanter_format(data)
         return data
 
     def urls(self) -> list[tuple[str, str]]:
@@ -159,6 +162,25 @@ class SourceConfig:
         if not 0.0 < self.builtin_validation_fraction <= 0.5:
             out.append(ConfigError("builtin_validation_fraction", "must be in (0, 0.5]"))
         return out
+
+
+def _levanter_format(data: dict[str, Any]) -> None:
+    """Levanter's dataset formats (``format: {type: ...}``): ``text`` (records with a text field)
+    is the text records read here; ``chat`` and ``supervised`` are refused in one line."""
+    fmt = dict(data.pop("format"))
+    kind = fmt.pop("type", "text")
+    if kind == "text" and set(fmt) <= {"text_key"}:
+        if "text_key" in fmt:
+            data["text_key"] = fmt["text_key"]
+        return
+    what = {"chat": "conversations rendered through the tokenizer's chat template, the loss on the assistant's turns",
+            "supervised": "input/output pairs, the loss on the output"}.get(kind)
+    if what is None:
+        raise ConfigError("format", f"a mapping is Levanter's format: {{type: text, text_key: ...}} is accepted, got "
+                          f"{ {'type': kind, **fmt} }; or give one of 'auto', 'jsonl', 'json', 'text', 'parquet'")
+    raise ConfigError("format", f"Levanter's `format: {{type: {kind}}}` ({what}) is not supported here: only text "
+                      "is trained on; give this source records with a text field (format: jsonl, text_key: ...) "
+                      "rendered as the text to train on, or remove the source")
 
 
 def _is_set(cfg: Any, f: dataclasses.Field) -> bool:
@@ -302,11 +324,11 @@ class DataConfig(SourceConfig):
                                        f"set it in each component that needs it (configs.<name>.{f.name})"))
         phases, _ = weight_phases(self.train_weights)
         drawn = {name for _, weights in phases for name, w in weights.items() if w > 0}
+        from lm_pipeline.data.component_names import name_problems
+
+        out += [ConfigError(f"configs.{name}", problem) for name, problem in name_problems(self.configs)]
         for name, comp in self.configs.items():
             where = f"configs.{name}"
-            if not _SET_NAME.match(name):
-                out.append(ConfigError(where, "component names must start with a letter or digit and use only "
-                                       "letters, digits, '_', '.', '-'"))
             out += [p.prefixed(where) for p in comp.source_problems()]
             has_validation = bool(comp.validation_urls or comp.validation or comp.hf_validation_split)
             if name in drawn and not comp.train_sources():

@@ -360,7 +360,10 @@ def mixture_source(cfg: DataConfig, datasets: Mapping[str, SequenceDataset], bat
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
     ordered = {name: datasets[name] for name in cfg.configs if name in datasets}
-    return MixtureBatchSource(ordered, cfg.train_weights, batch_size, seed, block_size=cfg.mixture_block_size,
+    # a component never drawn (weight 0 throughout: one with validation sets only) has no rows here
+    phases = [(step, {n: w for n, w in weights.items() if n in ordered or w > 0})
+              for step, weights in weight_phases(cfg.train_weights)[0]]
+    return MixtureBatchSource(ordered, phases, batch_size, seed, block_size=cfg.mixture_block_size,
                               stop_strategy=cfg.stop_strategy, process_index=process_index,
                               process_count=process_count, shuffle=cfg.shuffle, era_length=cfg.era_length)
 

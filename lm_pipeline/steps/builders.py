@@ -102,7 +102,7 @@ def tokenizer(ctx: BuildContext, inputs: Inputs) -> StageResult:
 
 def cache_summary(splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The token cache manifest's summary from per-split counts."""
-    return {"splits": splits, "train_tokens": splits["train"].get("num_tokens")}
+    return {"splits": splits, "train_tokens": splits["train"].get("num_tokens") if "train" in splits else 0}
 
 
 def ledger_counts(ledger: dict[str, Any]) -> dict[str, Any]:

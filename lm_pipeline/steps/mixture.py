@@ -25,6 +25,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from lm_pipeline.data.component_names import config_path, parse_split_key, split_key
 from lm_pipeline.fingerprint import semantic_view
 from lm_pipeline.schema import ConfigError, ConfigProblems
 
@@ -93,12 +94,8 @@ def shards(parent: Pipeline) -> dict[str, list]:
     """The mixture's shards: each component's splits as ``<component>/<split>``."""
     out: dict[str, list] = {}
     for name, sub in parent.components().items():
-        if not sub.cfg.data.train_sources():
-            raise ConfigError(f"data.configs.{name}", "has no training data; every component of a mixture is "
-                              "trained on: give it train_urls, id (hf_id) or builtin, or move its validation "
-                              "sets under another component's validation")
         with naming(name):
-            out.update({f"{name}/{split}": found for split, found in sub.shards().items()})
+            out.update({split_key(name, split): found for split, found in sub.shards().items()})
     return out
 
 
@@ -113,7 +110,7 @@ def naming(name: str) -> Iterator[None]:
     pattern = re.compile(rf"(?<![\w.-])data\.(?=(?:{fields})\b)")
 
     def own(text: str) -> str:
-        return pattern.sub(f"data.configs.{name}.", text)
+        return pattern.sub(config_path(name) + ".", text)
 
     try:
         yield
@@ -156,7 +153,7 @@ def url_locations(data: Any) -> list[tuple[str, str]]:
     """(config field, URL or path) of every location a mixture's components read or write."""
     out = []
     for name, comp in getattr(data, "configs", {}).items():
-        where = f"data.configs.{name}"
+        where = config_path(name)
         out += [(f"{where}.cache_dir", comp.cache_dir)] if comp.cache_dir else []
         out += [(f"{where}.{field}", u) for field, u in comp.urls()]
     return out
@@ -179,7 +176,7 @@ def raw_shards(ctx: BuildContext, inputs: Inputs) -> StageResult:
 
     def write(path: str):
         built = _each_component(ctx, "raw_shards")
-        splits = {f"{name}/{split}": rows for name, res in built.items()
+        splits = {split_key(name, split): rows for name, res in built.items()
                   for split, rows in (res.manifest.get("shards") or {}).items()}
         summary: dict[str, Any] = {k: sum(int(r.manifest["summary"].get(k) or 0) for r in built.values())
                                    for k in ("num_shards", "records", "valid", "skipped")}
@@ -195,7 +192,7 @@ def token_cache(ctx: BuildContext, inputs: Inputs) -> StageResult:
 
     def write(path: str):
         built = _each_component(ctx, "token_cache")
-        splits = {f"{name}/{split}": counts for name, res in built.items()
+        splits = {split_key(name, split): counts for name, res in built.items()
                   for split, counts in (res.manifest["summary"].get("splits") or {}).items()}
         train = sum(int(res.manifest["summary"].get("train_tokens") or 0) for res in built.values())
         return {"splits": splits, "train_tokens": train}, {"tokenizer_path": tok.path, "built_by": "components",
@@ -230,7 +227,10 @@ def component_caches(cache: StageResult) -> dict[str, str] | None:
 def train_caches(cache: StageResult) -> list[str]:
     """The training caches of a ``token_cache`` artifact: its own, or each component's."""
     comps = component_caches(cache)
-    return [f"{cache.path}/train"] if comps is None else [f"{path}/train" for path in comps.values()]
+    if comps is None:
+        return [f"{cache.path}/train"]
+    splits = cache.manifest["summary"].get("splits") or {}  # a component with validation sets only has none
+    return [f"{path}/train" for name, path in comps.items() if split_key(name, "train") in splits]
 
 
 def open_component_datasets(cfg: RunConfig, cache: StageResult):
@@ -240,7 +240,7 @@ def open_component_datasets(cfg: RunConfig, cache: StageResult):
     seq_len, packing = cfg.model.seq_len, cfg.data.packing
     train, evals = {}, {}
     for split in cache.manifest["summary"].get("splits") or {}:
-        name, _, own = split.partition("/")
+        name, own = parse_split_key(split)
         ds = open_dataset(f"{cache.manifest['components'][name]['path']}/{own}", seq_len, packing)
         if own == "train":
             train[name] = ds

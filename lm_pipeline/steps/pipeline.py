@@ -226,10 +226,10 @@ class Pipeline:
             if data.configs:  # a mixture: each component's splits (lm_pipeline.steps.mixture)
                 self._memo.shards = mixture.shards(self)
                 return self._memo.shards
-            if not data.train_sources():
+            if not data.train_sources() and "train_ckpt" in self.stages:  # a mixture's component may only evaluate
                 raise ConfigError("data", "no training data: set data.train_urls, data.hf_id or data.builtin")
             root = self.builtin_root if data.builtin else None
-            out = {"train": resolve_shards(data, "train", builtin_root=root)}
+            out = {"train": resolve_shards(data, "train", builtin_root=root)} if data.train_sources() else {}
             out.update(validation_sets(data, builtin_root=root))
             self._memo.shards = out
         return self._memo.shards
