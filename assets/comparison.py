@@ -2,7 +2,8 @@
 one plot (:mod:`lm_pipeline.steps.comparison`: its rows, its address over the evaluation reports
 it reads, how it is built and what it shows).
 
-It reads each experiment's ``train_ckpt`` and ``eval_report`` (its deps), and what Dagster records
+It reads each experiment's ``train_ckpt``, ``eval_report`` and, where the experiment evaluates
+tasks, ``task_eval`` (its deps), and what Dagster records
 of them is what it read: before it builds, Dagster's latest materialization of each must be the
 artifact at the experiment's current address (or, for an experiment not trained or evaluated yet,
 neither built nor recorded), else the step fails in one line naming what to materialize first
@@ -18,13 +19,18 @@ from assets.provenance import require_recorded
 from lm_pipeline.steps import comparison
 from resources import ArtifactStoreResource
 
-#: What the comparison reads of each experiment (the columns of its rows naming them).
-READS = ("train_ckpt", "eval_report")
+#: The stages a row of the comparison reads (:func:`lm_pipeline.steps.comparison.experiment_row`;
+#: the columns naming their fingerprints), where an experiment has them.
+READS = ("train_ckpt", "eval_report", "task_eval")
+
+
+def _reads(dep: Deployment, name: str) -> list[str]:
+    return [s for s in READS if s in dep.stages_of(name)]
 
 
 def comparison_deps(dep: Deployment) -> list[dg.AssetKey]:
-    """Each experiment's training run and evaluation report, the comparison's inputs."""
-    keys = {dep.key(n, stage) for n in dep.experiments for stage in READS}
+    """Each experiment's training run, evaluation report and task evaluation: the comparison's inputs."""
+    keys = {dep.key(n, stage) for n in dep.experiments for stage in _reads(dep, n)}
     return sorted(keys, key=lambda k: k.to_user_string())
 
 
@@ -33,7 +39,7 @@ def _verify(context, dep: Deployment, pipes) -> dict[str, str | None]:
     input asset, the fingerprint read (None: not built, not recorded)."""
     read: dict[str, str | None] = {}
     for name, pipe in pipes.items():
-        for stage in READS:
+        for stage in _reads(dep, name):
             key = dep.key(name, stage)
             require_recorded(context.instance, COMPARISON_KEY, key, pipe, stage, absent_ok=True,
                              named=f"{name}'s {stage}")
@@ -44,7 +50,8 @@ def _verify(context, dep: Deployment, pipes) -> dict[str, str | None]:
 
 def _used(dep: Deployment, rows) -> dict[str, str | None]:
     """Per input asset, the fingerprint the comparison's rows name."""
-    return {dep.key(r["experiment"], stage).to_user_string(): r[stage] for r in rows for stage in READS}
+    return {dep.key(r["experiment"], stage).to_user_string(): r.get(stage) for r in rows
+            for stage in _reads(dep, r["experiment"])}
 
 
 def comparison_asset(dep: Deployment):

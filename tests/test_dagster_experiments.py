@@ -139,7 +139,7 @@ def test_two_experiments_share_stages_and_go_stale_exactly_as_the_plan_says(tmp_
     assert set(rows) == set(NAMES)
     for n in NAMES:
         assert rows[n]["bpb"] > 0 and rows[n]["unigram_bpb"] > 0 and rows[n]["params"] > 0
-        assert rows[n]["eval_report"] == mats[f"{n}/eval_report"][0].tags["dagster/data_version"]
+        assert comp["input_fingerprints"].value[f"{n}/eval_report"] == mats[f"{n}/eval_report"][0].tags["dagster/data_version"]
     assert rows["gpt"]["model"] == "gpt2" and rows["llama"]["model"] == "llama"
     assert comp["plot"].value.startswith("![")
     assert d.stale() == _expect(set())

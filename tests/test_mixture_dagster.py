@@ -91,7 +91,7 @@ def test_a_mixture_through_dagster(tmp_path):
         c: mats[f"components/{c}/token_cache"].tags["dagster/data_version"] for c in COMPONENTS}
     rows = {r["dataset"]: r for r in pipe.cached("eval_report").manifest["rows"]}
     assert set(rows) == {"web/validation", "_micro", "_macro"}
-    compared = mats["experiments/comparison"].metadata["comparison"].value.records[0].data
+    compared = json.loads(Path(mats["experiments/comparison"].metadata["path"].value, "comparison.json").read_text())[0]
     assert compared["bpb_by_set"] == f"web/validation {rows['web/validation']['bpb']:.4g}"
     assert compared["macro_bpb"] == pytest.approx(rows["_macro"]["bpb"])
     assert stale_keys(folder, instance) == set() == plan_misses(folder)

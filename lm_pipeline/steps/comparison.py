@@ -27,6 +27,13 @@ COLUMNS = ("experiment", "model", "params", "step", "train_tokens", "train_secon
            "macro_bpb", "unigram_bpb", "bpb_vs_unigram", "bpb_by_set", "eval_report", "train_ckpt", "task_eval")
 _TEXT_COLUMNS = ("experiment", "model", "bpb_by_set", "eval_report", "train_ckpt", "task_eval")
 _FINGERPRINTS = ("eval_report", "train_ckpt", "task_eval")  # not in the markdown table
+#: The columns of the table shown in the UI, numbers to 4 significant digits (narrow enough to
+#: read beside the asset's definition); the markdown table and comparison.json hold every column.
+TABLE_COLUMNS = ("experiment", "model", "params", "step", "bpb", "unigram_bpb", "bpb_vs_unigram")
+
+
+def _short(v: Any) -> Any:
+    return float(f"{v:.4g}") if isinstance(v, float) else v
 
 
 def _micro(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
@@ -132,9 +139,10 @@ def metadata(res: StageResult) -> dict[str, Any]:
     rows = res.manifest.get("rows") or []
     out: dict[str, Any] = {"path": Path(res.path), "fingerprint": res.fingerprint, "cache_hit": bool(res.hit),
                            "experiments": len(rows), "evaluated": sum(r.get("bpb") is not None for r in rows),
-                           "comparison": Table(tuple((c, "string" if c in _TEXT_COLUMNS else "float") for c in COLUMNS)
+                           "comparison": Table(tuple((c, "string" if c in _TEXT_COLUMNS else "float") for c in TABLE_COLUMNS)
                                                + tuple((c, "float") for c in task_columns(rows)),
-                                               tuple(_cells(r, (*COLUMNS, *task_columns(rows))) for r in rows)),
+                                               tuple({c: _short(v) if c in TABLE_COLUMNS else v for c, v in
+                                                      _cells(r, (*TABLE_COLUMNS, *task_columns(rows))).items()} for r in rows)),
                            "comparison_md": Markdown(markdown_table(rows))}
     if any(r.get("bpb") is not None for r in rows):
         png = fs.read_bytes(fs.join(res.path, "comparison.png"))

@@ -364,6 +364,20 @@ def test_a_shared_artifact_says_whom_it_shares_with(server, browser):
     assert sorted(hits.values()) == ["false", "true"], hits
 
 
+# The ancestors that clip an element on the right (cut off, or behind a sideways scroll bar),
+# each scrolled back to its left edge first, and where the element ends and they do.
+_CLIPPED_JS = """
+const out = [];
+for (let e = arguments[0].parentElement; e && e !== document.body; e = e.parentElement) {
+  if (getComputedStyle(e).overflowX === 'visible') continue;
+  e.scrollLeft = 0;
+  const right = arguments[0].getBoundingClientRect().right, edge = e.getBoundingClientRect().right;
+  if (right > edge + 1) out.push(e.tagName + ' ' + e.className + ': ends at ' + right + ' > ' + edge);
+}
+return out;
+"""
+
+
 def _metadata_row(driver, key: str):
     from selenium.webdriver.common.by import By
 
@@ -387,16 +401,21 @@ def test_comparison_page_shows_both_experiments_side_by_side(server, browser):
     assert [r[0] for r in rows] == ["gpt", "llama"], rows
     assert [r[1] for r in rows] == ["gpt2", "llama"], rows
     for r in rows:
-        for col in ("params", "step", "eval_loss", "bpb", "unigram_bpb"):
+        for col in ("params", "step", "bpb", "unigram_bpb", "bpb_vs_unigram"):
             assert float(r[header.index(col)]) > 0, f"{r[0]}'s {col} is {r[header.index(col)]!r}"
     assert _metadata_row(browser, "experiments").text.split()[-1] == "2"
     assert _metadata_row(browser, "evaluated").text.split()[-1] == "2"
-    # the markdown table says the same
-    md_rows = _metadata_row(browser, "comparison_md").find_elements(By.XPATH, ".//table//tbody/tr")
+    # the markdown table says the same, with every value (training tokens and time, eval loss, ...)
+    md = _metadata_row(browser, "comparison_md").find_element(By.XPATH, ".//table")
+    md_rows = md.find_elements(By.XPATH, ".//tbody/tr")
     assert [tr.find_element(By.XPATH, "./td[1]").text.strip() for tr in md_rows] == ["gpt", "llama"]
+    assert {"train_tokens", "train_seconds", "eval_loss"} <= {th.text.strip() for th in md.find_elements(By.XPATH, ".//thead//th")}
     # built from both experiments' evaluations
     for e in ("gpt", "llama"):
         assert browser.find_elements(By.XPATH, f"//a[@href='/assets/{e}/eval_report']"), f"{e}/eval_report not upstream"
+    # readable as shown: nothing around the table scrolls sideways (the other values are in the markdown table)
+    clipped = browser.execute_script(_CLIPPED_JS, table)
+    assert not clipped, f"the table is cut off: {clipped}"
     key = _metadata_row(browser, "comparison").find_element(By.XPATH, "./td[1]")
     browser.execute_script("arguments[0].scrollIntoView({block: 'center', inline: 'start'})", key)
     time.sleep(0.5)
@@ -411,3 +430,21 @@ def test_comparison_page_shows_both_experiments_side_by_side(server, browser):
     assert img.get_property("naturalHeight") > 100
     time.sleep(0.5)
     _shot(browser, "comparison_plot.png")
+
+
+def test_the_checks_tab_shows_each_artifacts_check_and_its_result(server, browser):
+    """The asset page's Checks tab: the check of gpt's token cache (blocking) and of its export
+    (it loads in transformers with the checkpoint's logits), each passed in the run that
+    materialized the asset."""
+    from selenium.webdriver.common.by import By
+
+    _welcomed(browser, server)
+    for stage, check in (("token_cache", "token_ids_and_counts"), ("hf_export", "loads_in_transformers")):
+        browser.get(f"{server}/assets/gpt/{stage}?view=checks")
+        _wait(browser, lambda d: d.find_elements(By.XPATH, f"//*[normalize-space(text())='{check}']") or False,
+              what=f"gpt/{stage}'s Checks tab")
+        _wait(browser, lambda d: "Passed" in d.find_element(By.TAG_NAME, "body").text, what=f"{check}'s result")
+        body = browser.find_element(By.TAG_NAME, "body").text
+        assert check in body and "Passed" in body, body[:2000]
+        time.sleep(0.5)
+        _shot(browser, f"{stage}_checks.png")
