@@ -166,3 +166,29 @@ def test_the_comparison_shows_task_scores_side_by_side(run, tmp_path):
     md = shown["comparison_md"].text.splitlines()
     assert md[0].endswith(" | ".join(sorted(scores)) + " |") and md[3].startswith("| plain |") and md[3].endswith("| — | — | — | — |")
     assert md[2].startswith("| tasks |") and md[2].endswith(" | ".join(f"{scores[c]:.4g}" for c in sorted(scores)) + " |")
+
+
+def test_only_an_experiment_with_tasks_has_task_evaluation_assets(tmp_path):
+    """In one deployment, the experiment with tasks has task_eval and its per-checkpoint partitions
+    (in its evaluation job, beside checkpoint_eval); the other has neither, its graph as before."""
+    import dagster as dg
+
+    from assets.experiment import load_experiments
+    from assets.pipeline import EVALUATION_POOL, LINEAGE, build_definitions
+
+    harness = {"task_spec": ["tiny_hellaswag"], "include_path": [str(write_tasks(tmp_path / "tasks", n_docs=2))]}
+    folder = pt.write_experiments(tmp_path, {"tasks": {"eval_harness": harness}, "plain": {}})
+    defs = build_definitions(load_experiments(folder))
+    keys = {k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys()}
+    own = {"data_sources", "checkpoint_eval", *LINEAGE}
+    assert keys == {f"plain/{s}" for s in own} | {f"tasks/{s}" for s in (*own, "task_eval", "checkpoint_task_eval")} | {
+        "experiments/comparison"}
+    graph = defs.resolve_asset_graph()
+    assert graph.get(dg.AssetKey(["tasks", "task_eval"])).parent_keys == {dg.AssetKey(["tasks", "train_ckpt"]),
+                                                                         dg.AssetKey(["tasks", "data_sources"])}
+    part = graph.get(dg.AssetKey(["tasks", "checkpoint_task_eval"]))
+    assert part.partitions_def.name == "checkpoints_tasks" and part.pools == {EVALUATION_POOL}
+    jobs = {n: {k.to_user_string() for k in defs.resolve_job_def(n).asset_layer.selected_asset_keys}
+            for n in ("evaluate_tasks", "evaluate_plain")}
+    assert jobs == {"evaluate_tasks": {"tasks/checkpoint_eval", "tasks/checkpoint_task_eval"},
+                    "evaluate_plain": {"plain/checkpoint_eval"}}
