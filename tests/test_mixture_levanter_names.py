@@ -125,3 +125,18 @@ def test_levanter_formats_and_vocab_size(tmp_path):
     assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match=r"'data\.vocab_size': Levanter's `data\.vocab_size`"):
         load_config(None, {**base, "data.vocab_size": 50257})
+
+
+@pytest.mark.filterwarnings("ignore::dagster.BetaWarning")
+def test_a_slashed_component_has_its_dagster_assets(tmp_path):
+    from assets.experiment import load_experiments
+    from assets.pipeline import build_definitions
+
+    folder = tmp_path / "experiments"
+    folder.mkdir()
+    (folder / "default.yaml").write_text(levanter_mixture(tmp_path).read_text(encoding="utf-8"), encoding="utf-8")
+    graph = build_definitions(load_experiments(folder)).resolve_asset_graph()
+    keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
+    for name in ("web", "code", "paloma_books"):
+        assert {f"components/{name}/data_sources", f"components/{name}/token_cache"} <= keys, name
+    assert not any("paloma/books" in k for k in keys)
