@@ -192,3 +192,14 @@ def test_only_an_experiment_with_tasks_has_task_evaluation_assets(tmp_path):
             for n in ("evaluate_tasks", "evaluate_plain")}
     assert jobs == {"evaluate_tasks": {"tasks/checkpoint_eval", "tasks/checkpoint_task_eval"},
                     "evaluate_plain": {"plain/checkpoint_eval"}}
+
+
+def test_an_unknown_task_is_one_line_before_any_training(tmp_path, capsys):
+    tasks = write_tasks(tmp_path / "tasks", n_docs=2)
+    config = pt.write_config(tmp_path, eval_harness={"task_spec": ["tiny_hellaswag", "tiny_hellaswog"],
+                                                     "include_path": [str(tasks)]})
+    assert main(["task-eval", "--config_path", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: config field 'eval_harness.task_spec[1]': no task or group 'tiny_hellaswog' in the "
+                       "harness or include_path (did you mean 'tiny_hellaswag'?)")
+    assert not (tmp_path / "store" / "train_ckpt").exists()

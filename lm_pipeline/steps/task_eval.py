@@ -76,17 +76,19 @@ def result_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def build(ctx, inputs, checkpoint: str | None = None):
     """Run the section's tasks on a checkpoint (default: the run's final one); the harness's
-    results are written to ``harness_results.json`` in the artifact."""
+    results are written to ``harness_results.json`` in the artifact. The task names are checked
+    before a run that is not trained yet trains (else before the model is loaded)."""
+    from lm_pipeline.eval.tasks import evaluate_tasks, prepare_tasks
+
+    manager = prepare_tasks(ctx.cfg.eval_harness) if checkpoint is None and not inputs.complete("train_ckpt") else None
     ckpt, step = inputs.checkpoint(checkpoint)
 
     def write(path: str):
         import time
 
-        from lm_pipeline.eval.tasks import evaluate_tasks
-
         t0 = time.perf_counter()
-        results, files = evaluate_tasks(ckpt, ctx.cfg.eval_harness, path, compute_dtype=ctx.eval_config.compute_dtype,
-                                        store_root=ctx.cfg.store.root)
+        results, files = evaluate_tasks(ckpt, ctx.cfg.eval_harness, path, manager=manager,
+                                        compute_dtype=ctx.eval_config.compute_dtype, store_root=ctx.cfg.store.root)
         rows = result_rows(results)
         summary = {"step": step, "checkpoint": ckpt, "eval_seconds": round(time.perf_counter() - t0, 3),
                    **{f"{r['task']}/{r['metric']}": r["value"] for r in rows}}
