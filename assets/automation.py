@@ -2,7 +2,8 @@
 
 * ``new_checkpoint_sensor``: each new complete (permanent) checkpoint reported by a training asset
   (an observation, :mod:`assets.launch`) becomes a partition of each experiment training through it
-  and a run of ``<experiment>/checkpoint_eval`` for it, exactly once (:func:`checkpoint_requests`);
+  and a run of the experiment's evaluation job for it (``<experiment>/checkpoint_eval``, and
+  ``checkpoint_task_eval`` where it has tasks), exactly once (:func:`checkpoint_requests`);
 * ``comparison_sensor``: a new evaluation refreshes ``experiments/comparison`` (:func:`comparison_request`);
 * ``observe_data_sources`` (every 15 minutes): hashes every data source, so an edit to the data
   shows the stages built from it as stale;
@@ -122,7 +123,7 @@ def build_automation(dep: Deployment, eval_jobs: Mapping[str, Any], compare_job,
 
     @dg.sensor(name="new_checkpoint_sensor", jobs=list(eval_jobs.values()), minimum_interval_seconds=30,
                default_status=dg.DefaultSensorStatus.RUNNING,
-               description="Requests <experiment>/checkpoint_eval for each new complete (permanent) checkpoint "
+               description="Requests the evaluations of <experiment> (checkpoint_eval, ...) for each new complete (permanent) checkpoint "
                            "reported by a training asset, exactly once per experiment, also while it trains.")
     def new_checkpoint_sensor(context: dg.SensorEvaluationContext):
         return checkpoint_requests(context.instance, context.cursor, train_keys=train_keys)

@@ -7,8 +7,9 @@ Each experiment (a file of ``configs/experiments/``) has the lineage::
 with keys ``<experiment>/<stage>``, bare ``<stage>`` for the default experiment; stages that
 experiments share are the same artifact in the store, built once (keys and sharing:
 :mod:`assets.deployment`). Besides: ``<experiment>/checkpoint_eval`` (one dynamic partition per
-training checkpoint, requested by ``new_checkpoint_sensor`` and re-run by the
-``reevaluate_<experiment>`` schedules), ``experiments/comparison`` (every experiment's
+training checkpoint; likewise ``checkpoint_<stage>`` for each other per-checkpoint evaluation
+stage of the experiment, such as ``checkpoint_task_eval``; requested by ``new_checkpoint_sensor``
+and re-run by the ``reevaluate_<experiment>`` schedules), ``experiments/comparison`` (every experiment's
 evaluation side by side, refreshed by ``comparison_sensor`` when an evaluation lands), and the
 asset checks of each artifact (:mod:`assets.checks`).
 
