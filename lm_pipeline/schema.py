@@ -317,7 +317,7 @@ def _unknown_key(path: str, key: Any, value: Any, names: list[str], aliases: lis
             return None
         return ConfigError(path, levanter.refusal(known, path))
     hint = difflib.get_close_matches(str(key), names + aliases, n=1, cutoff=0.8)
-    extra = f"; did you mean {hint[0]!r}?" if hint else ""
+    extra = f"; did you mean {hint[0]!r}?" if hint else "."
     return ConfigError(path, f"unknown key{extra} Valid keys here: {', '.join(names)}")
 
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lm_pipeline.config import RunConfig, load_config
-from lm_pipeline.schema import ConfigError, to_dict
+from lm_pipeline.schema import ConfigError, ConfigProblems, to_dict
 
 DEFAULTS = to_dict(RunConfig())
 FULL = os.environ.get("LM_PIPELINE_FUZZ_EXAMPLES")  # the faults tier runs more examples
@@ -47,8 +47,9 @@ def _check(load, kind: str) -> None:
     try:
         cfg = load()
     except ConfigError as e:
-        assert str(e).startswith("config"), str(e)
-        assert e.message.strip(), "an empty error message"
+        for problem in e.problems if isinstance(e, ConfigProblems) else (e,):  # all of a config's at once
+            assert str(problem).startswith("config"), str(problem)
+            assert problem.message.strip(), "an empty error message"
         tally["config_error"] += 1
         return
     assert isinstance(cfg, RunConfig)
