@@ -117,10 +117,9 @@ def test_tasks_give_the_hf_backends_log_likelihoods_and_metrics(pair, manager, t
         assert math.isclose(value, ref_m[name], rel_tol=1e-4), (name, value, ref_m[name])
 
 
+@pytest.mark.parametrize("pair", ["llama-bos"], indirect=True)  # one case: a compiled program per prompt length
 def test_generate_until_gives_the_hf_backends_text(pair, manager, tasks_dir):
     ours, ref, _ = pair
-    if ours.info.bos_id == ours.info.eos_id:
-        pytest.skip("one case is enough: a compiled generation program per prompt length")
     cfg = from_dict(EvalHarnessConfig, {"task_spec": ["tiny_qa"], "include_path": [str(tasks_dir)], "max_examples": 4})
     got = run_tasks(ours, cfg, manager, log_samples=True)
     want = run_tasks(ref, cfg, manager, log_samples=True)
