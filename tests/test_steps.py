@@ -97,6 +97,14 @@ EXPECTED_SEMANTIC = {
         "task", "task_alias", "num_fewshot", "use_prompt", "description", "target_delimiter", "fewshot_delimiter",
         "doc_to_text", "doc_to_target", "doc_to_choice")},
     "eval_harness_steps": False,
+    # Levanter's training features: each changes the weights or what is evaluated and exported
+    **{f"model[llama].rope_scaling.{f}": True for f in (
+        "type", "factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "beta_fast",
+        "beta_slow", "attention_factor", "mscale", "mscale_all_dim")},
+    "model[llama].use_layer_norm_weight": True,
+    **{f"optimizer.{f}": True for f in ("type", "adam_lr", "ema_beta", "gamma", "momentum", "update_interval")},
+    **{f"trainer.{f}": True for f in ("max_epochs", "z_loss_weight", "quantization.fp8", "quantization.int8",
+                                      "quantization.targets")},
 }
 
 
