@@ -92,9 +92,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], tuple[str, ...]]]:
         "top_k 0": (["generate", "--checkpoint_path", str(tmp), "--prompt", "x", "--top_k", "0"], ("top_k must be >= 1",)),
         "no checkpoint there": (["export", "--checkpoint_path", str(tmp / "nowhere"), "--output_dir", str(tmp / "o")],
                                 ("nowhere",)),
-        "a data mixture to train": (["plan", "--config_path", _config(
+        "a mixture with the section's own validation_urls": (["plan", "--config_path", _config(
             tmp, "mix", train_urls=[], configs={"web": {"train_urls": [str(empty)]}, "code": {"train_urls": [str(empty)]}},
-            train_weights={"web": 0.7, "code": 0.3})], ("data.configs", "does not train on a data mixture yet")),
+            train_weights={"web": 0.7, "code": 0.3})], ("data.validation_urls", "configs.<name>.validation_urls")),
         # 1: no training text
         "an empty training file (train)": (["train", "--config_path", _config(tmp, "e1", train_urls=[str(empty)])],
                                            ("data.train_urls", "empty.jsonl", "no training text")),
@@ -154,7 +154,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], tuple[str, ...]]]:
 
 NAMES = ["unknown config field", "invalid record under fail", "a .gz that is plain text", "a truncated .gz under fail",
          "a data URL of an unknown scheme", "a store URL of an unknown scheme",
-         "max_new_tokens 0", "max_new_tokens -5", "temperature -1", "top_p 0", "top_k 0", "no checkpoint there", "a data mixture to train",
+         "max_new_tokens 0", "max_new_tokens -5", "temperature -1", "top_p 0", "top_k 0", "no checkpoint there",
+         "a mixture with the section's own validation_urls",
          "an empty training file (train)", "an empty training file (cache)",
          "a tokenizer directory without tokenizer.json", "a tokenizer path that does not exist",
          "a tokenizer.json file as the tokenizer",
