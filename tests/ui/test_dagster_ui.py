@@ -1,6 +1,6 @@
 """The Dagster UI in a real (headless, system) Chromium: the deployment's global asset graph (two
 experiments, each with its own assets, the comparison), a shared artifact shown as shared, a
-training asset's metadata, the comparison.
+training asset's metadata, the comparison, the Checks tab, an experiment group's Materialize all.
 
 Materializes two tiny experiments and their comparison into a fresh persistent instance, starts
 ``dagster dev`` on a loopback port against their folder (``$LM_PIPELINE_EXPERIMENTS_DIR``), and
@@ -441,10 +441,46 @@ def test_the_checks_tab_shows_each_artifacts_check_and_its_result(server, browse
     _welcomed(browser, server)
     for stage, check in (("token_cache", "token_ids_and_counts"), ("hf_export", "loads_in_transformers")):
         browser.get(f"{server}/assets/gpt/{stage}?view=checks")
-        _wait(browser, lambda d: d.find_elements(By.XPATH, f"//*[normalize-space(text())='{check}']") or False,
+        _wait(browser, lambda d, check=check: d.find_elements(By.XPATH, f"//*[normalize-space(text())='{check}']") or False,
               what=f"gpt/{stage}'s Checks tab")
         _wait(browser, lambda d: "Passed" in d.find_element(By.TAG_NAME, "body").text, what=f"{check}'s result")
         body = browser.find_element(By.TAG_NAME, "body").text
         assert check in body and "Passed" in body, body[:2000]
         time.sleep(0.5)
         _shot(browser, f"{stage}_checks.png")
+
+
+_RUNS_QUERY = "{ runsOrError { ... on Runs { results { runId status assetSelection { path } } } } }"
+
+
+def _runs(server: str) -> list[dict]:
+    import json
+
+    req = urllib.request.Request(f"{server}/graphql", data=json.dumps({"query": _RUNS_QUERY}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())["data"]["runsOrError"]["results"]
+
+
+def test_materialize_all_on_an_experiments_group_launches_its_lineage_not_a_backfill(server, browser):
+    """gpt's group holds its lineage only (its partitioned checkpoint evaluations have a group of their
+    own), so its **Materialize all** launches one run of the lineage at once, with no partition dialog.
+    Runs stay queued here (the instance runs none), so nothing is rebuilt. Last in this file."""
+    from selenium.webdriver.common.by import By
+
+    _welcomed(browser, server)
+    before = {r["runId"] for r in _runs(server)}
+    browser.get(f"{server}/asset-groups~group%3A%22gpt%22")  # the group's graph, as its link opens it, nothing selected
+    button = _wait(browser, lambda d: [b for b in d.find_elements(By.XPATH, "//button[contains(., 'Materialize all')]")
+                                       if b.is_displayed() and b.is_enabled()] or False, what="gpt's Materialize all")[0]
+    _dismiss_dialogs(browser)
+    button.click()
+    new = _wait(browser, lambda d: [r for r in _runs(server) if r["runId"] not in before] or False,
+                what="the run Materialize all launches")
+    assert not [d for d in browser.find_elements(By.XPATH, "//*[@role='dialog']") if d.is_displayed()
+                and "artition" in d.text], "Materialize all opened a partition dialog"
+    assert len(new) == 1, new
+    selected = {"/".join(k["path"]) for k in new[0]["assetSelection"] or []}
+    assert selected - {"gpt/data_sources"} == {f"gpt/{s}" for s in _STAGES if s != "data_sources"}, selected
+    time.sleep(1)
+    _shot(browser, "materialize_all_gpt.png")
