@@ -228,3 +228,30 @@ def test_a_components_data_problem_names_the_components_field(tmp_path):
         Pipeline(load_config(mix), progress=False).token_cache()
     assert info.value.source == "data.configs.books.train_urls"
     assert "point data.configs.books.train_urls at data" in str(info.value)
+
+
+def test_a_library_run_id_names_the_mixture_as_the_pipeline_does():
+    """``train()`` without an id names its run by the mixture's draw too: two mixtures of the same
+    data that differ in weights, stop strategy, block size or component order get different ids
+    (else the second would resume the first's checkpoints); a single-source config keeps its id
+    (no mixture key), and the pipeline's train_ckpt config carries the same draw."""
+    from lm_pipeline.train.run import run_id_for
+
+    def cfg(**over):
+        return load_config(None, {**CFG, "trainer.id": None, **over})
+
+    base = cfg()
+    variants = [cfg(**{"data.train_weights": {"a": 1, "b": 1}}), cfg(**{"data.stop_strategy": "first_exhausted"}),
+                cfg(**{"data.mixture_block_size": 16}),
+                cfg(**{"data.configs": {"b": {"train_urls": ["b.jsonl"]}, "a": {"train_urls": ["a.jsonl"]}}})]
+    ids = {run_id_for(c, "same-data") for c in [base, *variants]}
+    assert len(ids) == 1 + len(variants)
+    assert run_id_for(cfg(), "same-data") == run_id_for(base, "same-data")
+    single = {k: v for k, v in CFG.items() if not k.startswith("data.")}
+    plain = load_config(None, {**single, "trainer.id": None})
+    from lm_pipeline.train.run_identity import run_semantics
+
+    assert "mixture" not in run_semantics(plain)
+    # the draw fields that are set (stop_strategy at its default is not, so existing ids stay)
+    assert run_semantics(base)["mixture"] == {"components": ["a", "b"], "train_weights": CFG["data.train_weights"],
+                                              "mixture_block_size": 8}

@@ -73,7 +73,7 @@ def _tokenizer_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
 
 
 def _train_config(pipe: Pipeline) -> Any:
-    return {**run_semantics(pipe.cfg), "packing": pipe.cfg.data.packing, **mixture.run_semantics(pipe.cfg)}
+    return {**run_semantics(pipe.cfg), "packing": pipe.cfg.data.packing}
 
 
 def _train_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:

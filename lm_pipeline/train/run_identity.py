@@ -13,16 +13,29 @@ from typing import Any
 from lm_pipeline.fingerprint import semantic_view
 
 
+#: The data fields that decide which component each of a mixture's rows is drawn from.
+MIXTURE_DRAW_FIELDS = ("train_weights", "stop_strategy", "mixture_block_size")
+
+
 def run_semantics(cfg: Any) -> dict[str, Any]:
-    """The semantic config of a run: model, trainer and optimizer, and the row order when it is
-    not the default (absent then, so that existing runs keep their ids)."""
+    """The semantic config of a run: model, trainer and optimizer, the row order when it is not
+    the default, and a mixture's draw (absent when not used, so that existing runs keep their ids)."""
     conf: dict[str, Any] = {"model": semantic_view(cfg.model), "trainer": semantic_view(cfg.trainer),
                             "optimizer": semantic_view(cfg.optimizer)}
     if cfg.data.shuffle != "epoch":
         conf["shuffle"] = {"order": cfg.data.shuffle, "era_length": cfg.data.era_length}
     if cfg.trainer.num_epochs is not None:  # epochs -> steps rounds up (it rounded to nearest before)
         conf["epochs_to_steps"] = "ceil"
+    if getattr(cfg.data, "configs", None):
+        conf["mixture"] = mixture_draw(cfg.data)
     return conf
+
+
+def mixture_draw(data: Any) -> dict[str, Any]:
+    """A mixture's draw: its components in order (the blocks' layout follows it) and the draw
+    fields that are set."""
+    view = semantic_view(data)
+    return {"components": list(data.configs), **{k: view[k] for k in MIXTURE_DRAW_FIELDS if k in view}}
 
 
 def start_weights(cfg: Any) -> dict[str, Any]:
