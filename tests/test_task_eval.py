@@ -113,10 +113,27 @@ def test_editing_a_task_file_makes_only_the_task_evaluation_a_miss(run):
         path.write_text(text + text.splitlines()[0] + "\n")  # one more document
         after = _plan(run["config"])
         assert {s for s, (hit, _) in after.items() if not hit} == {s for s, (hit, _) in before.items() if not hit} | {"task_eval"}
-        assert [c.split(":")[0] for c in after["task_eval"][1]] == [f"inputs.{run['tasks']}/tiny_hellaswag.validation.jsonl"]
+        assert [c.split(":")[0] for c in after["task_eval"][1]] == ["inputs.include_path[0]/tiny_hellaswag.validation.jsonl"]
     finally:
         path.write_text(text)
     assert _plan(run["config"])["task_eval"] == (True, [])
+
+
+def test_the_task_files_are_named_by_content_not_by_where_they_lie(run, tmp_path):
+    """The same task files in another directory, spelled another way: the same address (a hit);
+    one byte changed there: a miss."""
+    import shutil
+
+    moved = tmp_path / "elsewhere" / "tasks"
+    shutil.copytree(run["tasks"], moved)
+    cfg = yaml.safe_load(run["config"].read_text())
+    cfg["eval_harness"]["include_path"] = [f"{moved.parent}/./tasks/"]
+    config = run["tmp"] / "moved.yaml"
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    assert _plan(config)["task_eval"] == (True, [])
+    target = moved / "tiny_arc.validation.jsonl"
+    target.write_text(target.read_text().replace("a", "b", 1))
+    assert _plan(config)["task_eval"][0] is False
 
 
 def test_the_scores_over_steps_and_the_table_per_task(run):

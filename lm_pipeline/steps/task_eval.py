@@ -42,7 +42,8 @@ def _files(root: str) -> list[str]:
 
 def sources(pipe, content: bool) -> dict[str, Any]:
     """The harness's version and every local task file's sha256 (small files: hashed also without
-    ``content``, like a local tokenizer), keyed ``<include_path entry>/<relative path>``."""
+    ``content``, like a local tokenizer), keyed ``include_path[<i>]/<relative path>``: by content
+    and place within the entry, not by how the entry's path is spelled."""
     from importlib.metadata import version
 
     from lm_pipeline import fs
@@ -55,7 +56,7 @@ def sources(pipe, content: bool) -> dict[str, Any]:
                               "of task YAML files)")
         for path in _files(root):
             rel = os.path.relpath(path, root) if path != root else os.path.basename(path)
-            out[f"{root.rstrip('/')}/{rel}"] = fs.sha256_of(path)
+            out[f"include_path[{i}]/{rel}"] = fs.sha256_of(path)
     return out
 
 
