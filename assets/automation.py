@@ -4,7 +4,11 @@
   (an observation, :mod:`assets.launch`) becomes a partition of each experiment training through it
   and a run of the experiment's evaluation job for it (``<experiment>/checkpoint_eval``, and
   ``checkpoint_task_eval`` where it has tasks), exactly once (:func:`checkpoint_requests`);
-* ``comparison_sensor``: a new evaluation refreshes ``experiments/comparison`` (:func:`comparison_request`);
+* ``comparison_automation``: declarative automation (the comparison's ``AutomationCondition``,
+  :data:`assets.comparison.REFRESH_ON_INPUT`): a new materialization of a training run, evaluation
+  report or task evaluation that the comparison reads refreshes ``experiments/comparison``. The
+  checkpoint evaluations stay with the sensor above: a checkpoint is a new dynamic partition,
+  which only a sensor can add, and "exactly once per checkpoint" is its cursor;
 * ``observe_data_sources`` (every 15 minutes): hashes every data source, so an edit to the data
   shows the stages built from it as stale;
 * ``reevaluate_<experiment>`` (daily): re-evaluates the latest checkpoint of the experiment's most
@@ -100,23 +104,6 @@ def reevaluation_requests(instance: dg.DagsterInstance, experiments: Sequence[st
     return out
 
 
-def comparison_request(instance: dg.DagsterInstance, dep: Deployment, cursor: str | None) -> dg.SensorResult:
-    """A run of the comparison when any experiment's evaluation (final or per checkpoint) has a new
-    materialization since the cursor (the newest storage id seen)."""
-    keys = sorted({dep.key(n, s) for n in dep.experiments for s in dep.checkpoint_stages(n)}
-                  | {k for n in dep.experiments for k in dep.checkpoint_stages(n).values()}, key=lambda k: k.to_user_string())
-    after = int(cursor) if cursor else 0
-    newest = after
-    for key in keys:
-        recs = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, after_storage_id=after or None),
-                                               limit=1, ascending=False).records
-        if recs:
-            newest = max(newest, recs[0].storage_id)
-    if newest == after:
-        return dg.SensorResult(skip_reason="no new evaluation since the last comparison", cursor=cursor)
-    return dg.SensorResult(run_requests=[dg.RunRequest(run_key=f"comparison@{newest}")], cursor=str(newest))
-
-
 def build_automation(dep: Deployment, eval_jobs: Mapping[str, Any], compare_job, observe_job) -> tuple[list, list]:
     """(sensors, schedules) of the deployment; ``eval_jobs``: experiment -> its evaluation job."""
     train_keys = dep.train_keys()
@@ -128,11 +115,11 @@ def build_automation(dep: Deployment, eval_jobs: Mapping[str, Any], compare_job,
     def new_checkpoint_sensor(context: dg.SensorEvaluationContext):
         return checkpoint_requests(context.instance, context.cursor, train_keys=train_keys)
 
-    @dg.sensor(name="comparison_sensor", target=compare_job, minimum_interval_seconds=30,
-               default_status=dg.DefaultSensorStatus.RUNNING,
-               description="Refreshes experiments/comparison when an evaluation lands.")
-    def comparison_sensor(context: dg.SensorEvaluationContext):
-        return comparison_request(context.instance, dep, context.cursor)
+    comparison_automation = dg.AutomationConditionSensorDefinition(
+        "comparison_automation", target=compare_job.selection, default_status=dg.DefaultSensorStatus.RUNNING,
+        minimum_interval_seconds=30,
+        description="Evaluates experiments/comparison's automation condition: refreshes it once after a training "
+                    "run, evaluation report or task evaluation it reads is materialized.")
 
     @dg.schedule(name="observe_data_sources", cron_schedule="*/15 * * * *", target=observe_job,
                  default_status=dg.DefaultScheduleStatus.RUNNING,
@@ -156,5 +143,5 @@ def build_automation(dep: Deployment, eval_jobs: Mapping[str, Any], compare_job,
 
         return _schedule
 
-    return ([new_checkpoint_sensor, comparison_sensor],
+    return ([new_checkpoint_sensor, comparison_automation],
             [observe_data_sources, *(reevaluate(name, job) for name, job in eval_jobs.items())])

@@ -54,15 +54,23 @@ def _used(dep: Deployment, rows) -> dict[str, str | None]:
             for stage in _reads(dep, r["experiment"])}
 
 
+#: When the comparison refreshes: once after any input it reads (an experiment's training run,
+#: evaluation report or task evaluation) is materialized again, not while one is in progress. An
+#: experiment not built yet holds nothing back (it is shown as not evaluated).
+REFRESH_ON_INPUT = (dg.AutomationCondition.any_deps_updated().since_last_handled()
+                    & ~dg.AutomationCondition.any_deps_in_progress()
+                    & ~dg.AutomationCondition.in_progress()).with_label("refresh when an input is materialized")
+
+
 def comparison_asset(dep: Deployment):
     """``experiments/comparison``: every experiment's final evaluation side by side."""
 
     @dg.asset(key=COMPARISON_KEY, deps=comparison_deps(dep), group_name=COMPARISON_GROUP, kinds={"pandas"},
-              code_version=str(comparison.CODE_VERSION),
+              code_version=str(comparison.CODE_VERSION), automation_condition=REFRESH_ON_INPUT,
               description="Every experiment's final evaluation side by side (loss, bits per byte vs the unigram "
                           "baseline, parameters, training tokens and wall time): a table and a plot, of the "
-                          "training runs and evaluation reports Dagster records. Refreshed by comparison_sensor "
-                          "when an evaluation lands.")
+                          "training runs and evaluation reports Dagster records. Refreshed by declarative "
+                          "automation (comparison_automation) when one of them is materialized.")
     def comparison_of_experiments(context: dg.AssetExecutionContext, store: ArtifactStoreResource) -> dg.MaterializeResult:
         tend(context)
         artifacts = store.store()  # the deployment's one store (build_definitions checks it)

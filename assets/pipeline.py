@@ -10,7 +10,7 @@ experiments share are the same artifact in the store, built once (keys and shari
 training checkpoint; likewise ``checkpoint_<stage>`` for each other per-checkpoint evaluation
 stage of the experiment, such as ``checkpoint_task_eval``; requested by ``new_checkpoint_sensor``
 and re-run by the ``reevaluate_<experiment>`` schedules), ``experiments/comparison`` (every experiment's
-evaluation side by side, refreshed by ``comparison_sensor`` when an evaluation lands), and the
+evaluation side by side, refreshed by its automation condition when an input it reads is materialized), and the
 asset checks of each artifact (:mod:`assets.checks`).
 
 :func:`build_definitions` assembles the Definitions (assets, jobs, sensors and schedules,

@@ -370,23 +370,34 @@ def test_sensor_definition_evaluates_with_a_cursor(experiment):
     assert sensor(ctx).run_requests == []
 
 
-def test_comparison_sensor_requests_a_refresh_when_an_evaluation_lands(tmp_path):
+def test_the_comparison_refreshes_by_declarative_automation_once_per_input_update(tmp_path):
+    """The comparison's AutomationCondition as Dagster evaluates it: nothing before any input is
+    materialized; one request after an evaluation report, a training run or a task evaluation it
+    reads is; none again until another is; none for assets it does not read (a checkpoint's
+    evaluation, a token cache)."""
     defs = build_definitions(load_experiments(pt.write_experiments(tmp_path), overrides=[]))
-    sensor = defs.resolve_sensor_def("comparison_sensor")
+    sensor = defs.resolve_sensor_def("comparison_automation")
+    assert isinstance(sensor, dg.AutomationConditionSensorDefinition)
+    assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
     instance = dg.DagsterInstance.ephemeral()
-    first = sensor(dg.build_sensor_context(instance=instance, definitions=defs))
-    assert first.run_requests == [] and first.skip_reason is not None  # nothing evaluated yet
+    comparison = dg.AssetKey(["experiments", "comparison"])
+
+    def tick(cursor):
+        result = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+        return result.get_num_requested(comparison), result.cursor
+
+    requested, cursor = tick(None)
+    assert requested == 0  # nothing evaluated yet
     instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=["llama", "eval_report"]))
-    second = sensor(dg.build_sensor_context(instance=instance, cursor=first.cursor, definitions=defs))
-    assert len(second.run_requests) == 1
-    assert defs.resolve_sensor_def("comparison_sensor").job_name == "compare_experiments"
-    assert sensor(dg.build_sensor_context(instance=instance, cursor=second.cursor, definitions=defs)).run_requests == []
-    instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=["gpt", "checkpoint_eval"]))
-    instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=["gpt", "train_ckpt"]))  # not an evaluation
-    third = sensor(dg.build_sensor_context(instance=instance, cursor=second.cursor, definitions=defs))
-    assert len(third.run_requests) == 1 and third.run_requests[0].run_key != second.run_requests[0].run_key
+    requested, cursor = tick(cursor)
+    assert requested == 1
+    assert tick(cursor)[0] == 0  # handled: no second request for the same update
+    for key in (["gpt", "checkpoint_eval"], ["gpt", "token_cache"]):  # not read by the comparison
+        instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=key))
+    requested, cursor = tick(cursor)
+    assert requested == 0
     instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=["gpt", "train_ckpt"]))
-    assert sensor(dg.build_sensor_context(instance=instance, cursor=third.cursor, definitions=defs)).run_requests == []
+    assert tick(cursor)[0] == 1
 
 
 def test_latest_checkpoint_of_each_run():

@@ -50,7 +50,7 @@ for _e in ("gpt", "llama"):
               (f"{_e}/train_ckpt", f"{_e}/hf_export"), (f"{_e}/train_ckpt", f"{_e}_checkpoints/checkpoint_eval"),
               (f"{_e}/eval_report", "experiments/comparison"), (f"{_e}/train_ckpt", "experiments/comparison")}
 # What the deployment starts RUNNING, stopped before the daemon starts (see the server fixture).
-AUTOMATION = (("sensor", "new_checkpoint_sensor"), ("sensor", "comparison_sensor"),
+AUTOMATION = (("sensor", "new_checkpoint_sensor"), ("sensor", "comparison_automation"),
               ("schedule", "observe_data_sources"), ("schedule", "reevaluate_gpt"), ("schedule", "reevaluate_llama"))
 
 
