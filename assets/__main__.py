@@ -14,7 +14,8 @@ so lineage and history persist with nothing exported::
 
 Before ``materialize`` and ``dev`` start Dagster, runs whose process is gone (killed) are marked
 failed and their pool slots freed, and each run still holding a pool slot is named in one line
-(:mod:`assets.dead_runs`). An existing ``$DAGSTER_HOME/dagster.yaml`` is kept; when it sets
+(:mod:`assets.dead_runs`), and the pools get their rows at the instance's default limit
+(:func:`register_pools`: `dagster instance concurrency get --all` lists them). An existing ``$DAGSTER_HOME/dagster.yaml`` is kept; when it sets
 none of the template's limits (one step per pool, two runs at a time) one line says so
 (:func:`missing_limits`).
 
@@ -79,6 +80,25 @@ def warn_missing_limits(home: Path) -> None:
               f"copy the concurrency section of {TEMPLATE} into it", file=sys.stderr)
 
 
+def register_pools(instance: Any) -> list[str]:
+    """Give each of the project's pools its row in ``instance`` at the instance's default pool
+    limit when it has none yet, and return those registered. Dagster creates a pool's row only when
+    a step first claims a slot, so until then ``dagster instance concurrency get --all`` lists no
+    pool; a limit set already (``dagster instance concurrency set``) is kept. Nothing on a storage
+    without pool limits or an instance without a default limit."""
+    from assets.names import POOLS
+
+    storage = instance.event_log_storage
+    limit = instance.get_concurrency_config().pool_config.default_pool_limit
+    if limit is None or not storage.supports_global_concurrency_limits:
+        return []
+    have = set(storage.get_concurrency_keys())
+    new = [pool for pool in POOLS.values() if pool not in have]
+    for pool in new:
+        storage.set_concurrency_slots(pool, limit)
+    return new
+
+
 def dagster_args(argv: list[str]) -> list[str] | None:
     """The ``dagster`` command line for ``python -m assets ARGS`` (None: handled here)."""
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -115,9 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] in ("materialize", "dev"):
         # A run killed earlier (its process gone) still holds its pool slots: free them, and say
         # who holds the slots this command's steps may wait for (assets/dead_runs.py).
+        import dagster as dg
+
         from assets.dead_runs import check
 
         check()
+        with dg.DagsterInstance.get() as instance:
+            register_pools(instance)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # exec discards what is still buffered
     # Dagster's CLI has no public Python API: its public entry point is the `dagster` command,

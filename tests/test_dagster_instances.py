@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import dagster as dg
@@ -127,6 +128,30 @@ def test_the_documented_postgresql_instance_has_the_limits(tmp_path, monkeypatch
             assert type(instance.run_storage).__name__ == "PostgresRunStorage"
             assert _instance_limits(instance) == (1, 2, {TRAINING_POOL: 1, EVALUATION_POOL: 1})
             assert instance.run_monitoring_enabled
+        _pools_are_listed(home)
+
+
+def _concurrency_get_all() -> str:
+    dagster = str(Path(sys.executable).parent / "dagster")
+    done = subprocess.run([dagster, "instance", "concurrency", "get", "--all"], capture_output=True, text=True,
+                          timeout=120, env=os.environ.copy())
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def _pools_are_listed(home: Path) -> None:
+    """Before a step claims a slot Dagster lists no pool; ``python -m assets`` registers both at the
+    default limit, keeping a limit set by hand, and then the CLI lists them."""
+    from assets.__main__ import register_pools
+
+    assert "No concurrency limits set" in _concurrency_get_all()
+    with dg.DagsterInstance.get() as instance:
+        instance.event_log_storage.set_concurrency_slots(EVALUATION_POOL, 4)  # raised by hand, as the docs say
+        assert register_pools(instance) == [TRAINING_POOL]
+        assert register_pools(instance) == []
+    listed = _concurrency_get_all()
+    assert f'"{TRAINING_POOL}": 0 / 1 slots occupied' in listed, listed
+    assert f'"{EVALUATION_POOL}": 0 / 4 slots occupied' in listed, listed
 
 
 @pytest.mark.parametrize("page", PAGES)
