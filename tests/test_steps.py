@@ -91,8 +91,7 @@ EXPECTED_SEMANTIC = {
     "export.hf_upload_private": False, "export.max_shard_size": True, "export.dtype": True,
     # downstream tasks (task_eval): what changes a score; batching and the samples file do not
     **{f"eval_harness.{f}": True for f in (
-        "max_examples", "max_eval_length", "bootstrap_iters", "apply_chat_template", "add_bos_token")},
-    "eval_harness.include_path": False,  # by content (task_eval's sources), not by path
+        "max_examples", "max_eval_length", "bootstrap_iters", "apply_chat_template", "include_path", "add_bos_token")},
     "eval_harness.log_samples": False, "eval_harness.batch_size": False,
     **{f"eval_harness.task_spec.{f}": True for f in (
         "task", "task_alias", "num_fewshot", "use_prompt", "description", "target_delimiter", "fewshot_delimiter",

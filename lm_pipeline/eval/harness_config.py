@@ -63,7 +63,7 @@ class EvalHarnessConfig:
     log_samples: bool = field(False, help="Also write every document's requests and responses (samples_<task>.jsonl).", semantic=False)
     bootstrap_iters: int = field(0, help="Bootstrap resamples for the metrics' standard errors; 0 = none.")
     apply_chat_template: bool = field(False, help="Format prompts with the tokenizer's chat template.")
-    include_path: tuple[str, ...] = field((), help="Directories (or files) of task YAML files to use beside the harness's own tasks. Not hashed as paths: the task evaluation's address covers every file under them by content, so moving them changes nothing.", semantic=False)
+    include_path: tuple[str, ...] = field((), help="Directories (or files) of task YAML files to use beside the harness's own tasks. Named by content: the task evaluation's address covers every file under them, not how their paths are spelled, so moving them changes nothing.")
     batch_size: int = field(16, help="Sequences per forward pass (log-likelihoods) and per generation batch.", semantic=False)
     add_bos_token: bool | None = field(None, help="Prepend BOS to every encoding: null = as the tokenizer's post-processor does (the harness's default).")
 

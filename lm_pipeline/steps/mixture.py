@@ -26,8 +26,8 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lm_pipeline.data.component_names import config_path, parse_split_key, split_key
-from lm_pipeline.fingerprint import semantic_view
 from lm_pipeline.schema import ConfigError, ConfigProblems
+from lm_pipeline.train.run_identity import MIXTURE_DRAW_FIELDS
 
 if TYPE_CHECKING:
     from lm_pipeline.config import RunConfig
@@ -42,7 +42,7 @@ COMPONENT_STAGES = ("raw_shards", "tokenizer", "token_cache")
 COMPONENT_INPUT = "components/"
 
 #: Fields of the data section that decide how the mixture draws rows (the run's, not the caches').
-DRAW_FIELDS = ("train_weights", "stop_strategy", "mixture_block_size")
+DRAW_FIELDS = MIXTURE_DRAW_FIELDS  # which component each row is drawn from: the run's, not the caches
 
 
 def is_mixture(cfg: RunConfig) -> bool:
@@ -157,15 +157,6 @@ def url_locations(data: Any) -> list[tuple[str, str]]:
         out += [(f"{where}.cache_dir", comp.cache_dir)] if comp.cache_dir else []
         out += [(f"{where}.{field}", u) for field, u in comp.urls()]
     return out
-
-
-def run_semantics(cfg: RunConfig) -> dict[str, Any]:
-    """What a mixture adds to the run's semantic config: the components in order (the blocks'
-    layout follows it) and the draw fields set. Empty without a mixture."""
-    if not is_mixture(cfg):
-        return {}
-    view = semantic_view(cfg.data)
-    return {"mixture": {"components": list(cfg.data.configs), **{k: view[k] for k in DRAW_FIELDS if k in view}}}
 
 
 # -- builders ---------------------------------------------------------------------------------------

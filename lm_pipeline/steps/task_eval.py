@@ -31,7 +31,9 @@ def config(pipe) -> dict[str, Any]:
     """The section's semantic fields (not ``batch_size``, ``log_samples``) and the compute dtype."""
     from lm_pipeline.fingerprint import semantic_view
 
-    return {**semantic_view(pipe.cfg.eval_harness), "compute_dtype": pipe.eval_config.compute_dtype}
+    view = semantic_view(pipe.cfg.eval_harness)
+    view.pop("include_path", None)  # named by content (sources), never by path, as a local tokenizer is
+    return {**view, "compute_dtype": pipe.eval_config.compute_dtype}
 
 
 def _files(root: str) -> list[str]:

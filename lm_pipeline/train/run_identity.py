@@ -12,7 +12,6 @@ from typing import Any
 
 from lm_pipeline.fingerprint import semantic_view
 
-
 #: The data fields that decide which component each of a mixture's rows is drawn from.
 MIXTURE_DRAW_FIELDS = ("train_weights", "stop_strategy", "mixture_block_size")
 
