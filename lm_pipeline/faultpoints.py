@@ -62,6 +62,14 @@ def _armed(name: str) -> list[tuple[int | None, str]]:
     return out
 
 
+def reset_counts() -> None:
+    """Count passes from zero again: for a test that arms in one process the same points it armed
+    before (passes count per arming, and an arming is told apart by its value only)."""
+    with _lock:
+        _counts.clear()
+        _counted_under[0] = ""
+
+
 def armed(name: str) -> bool:
     """Whether a test armed the fault point ``name`` (for any pass) in this process's environment."""
     return ENV in os.environ and bool(_armed(name))

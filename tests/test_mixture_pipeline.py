@@ -13,22 +13,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-import equinox as eqx
-import jax
 import numpy as np
 import pytest
 import yaml
 from helpers.mixture import COMPONENTS, write_mixture
+from helpers.resume import assert_resumed_to, crash_after_step
 
 from lm_pipeline.batch import ArrayDataset
 from lm_pipeline.config import load_config
 from lm_pipeline.data.cache import open_cache
 from lm_pipeline.data.sources import iter_shard_texts
 from lm_pipeline.data.validation import DataValidationError
-from lm_pipeline.faultpoints import FaultInjected
 from lm_pipeline.schema import ConfigError
 from lm_pipeline.steps import Pipeline
-from lm_pipeline.train.checkpoint import latest_checkpoint, load
 from lm_pipeline.train.run import train
 
 
@@ -150,30 +147,18 @@ def components() -> dict[str, Recording]:
     return {"a": Recording(0, 13), "b": Recording(1, 7)}  # both wrap within 9 steps of 4 rows
 
 
-def params(state) -> list[np.ndarray]:
-    return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))]
-
-
 @pytest.mark.slow
 def test_an_interrupted_mixed_run_resumes_to_the_uninterrupted_parameters(tmp_path, monkeypatch):
     cfg = load_config(None, CFG)
     clean = train(cfg, train_data=components(), vocab_size=50, run_dir=str(tmp_path / "clean"))
     assert clean.final_step == 9
     run_dir = str(tmp_path / "cut")
-    monkeypatch.setenv("LM_PIPELINE_FAULTPOINT", "train.after_step:6:raise")  # past the phase change at 5
-    with pytest.raises(FaultInjected):
-        train(cfg, train_data=components(), vocab_size=50, run_dir=run_dir)
-    monkeypatch.delenv("LM_PIPELINE_FAULTPOINT")
-    assert latest_checkpoint(run_dir).endswith("step-4")
-    data = components()
-    resumed = train(cfg, train_data=data, vocab_size=50, run_dir=run_dir)
+    cut = crash_after_step(monkeypatch, 6, lambda: train(cfg, train_data=components(), vocab_size=50, run_dir=run_dir),
+                           run_dir)  # past the phase change at 5
+    assert cut.endswith("step-4")
+    resumed = train(cfg, train_data=components(), vocab_size=50, run_dir=run_dir)
     assert resumed.resumed_from.endswith("step-4") and resumed.final_step == 9
-    a, b = params(clean.state), params(resumed.state)
-    assert len(a) == len(b) > 0
-    for x, y in zip(a, b, strict=True):
-        np.testing.assert_array_equal(x, y)
-    start = load(str(Path(run_dir) / "step-4"), jax.eval_shape(lambda: resumed.state))
-    assert any(not np.array_equal(x, y) for x, y in zip(params(start), b, strict=True))  # it did learn
+    assert_resumed_to(clean.state, resumed.state, run_dir, "step-4")
 
 
 @pytest.mark.slow

@@ -12,21 +12,19 @@ import hashlib
 import shutil
 from pathlib import Path
 
-import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from helpers.resume import assert_resumed_to, crash_after_step
 
 from lm_pipeline import atomic
 from lm_pipeline.batch import ArrayDataset, epoch_permutation
 from lm_pipeline.config import load_config
-from lm_pipeline.faultpoints import FaultInjected
 from lm_pipeline.train.checkpoint import (
     MARKER,
     Checkpointer,
     CheckpointerConfig,
     KeepPolicy,
-    latest_checkpoint,
     load,
 )
 from lm_pipeline.train.run import train
@@ -59,10 +57,6 @@ def _expected_rows(seed: int, steps: range) -> list[list[int]]:
     return [order[4 * k : 4 * k + 4].tolist() for k in steps]
 
 
-def _params(state) -> list[np.ndarray]:
-    return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))]
-
-
 def test_interrupted_run_resumes_to_the_uninterrupted_parameters(tmp_path, monkeypatch):
     cfg = load_config(None, CFG)
     data = _Recording()
@@ -71,24 +65,16 @@ def test_interrupted_run_resumes_to_the_uninterrupted_parameters(tmp_path, monke
     assert data.reads[-9:] == _expected_rows(cfg.trainer.seed, range(9))
 
     run_dir = str(tmp_path / "cut")
-    # Raise after step 6 (step-4 is the last complete checkpoint), as a crash would.
-    monkeypatch.setenv("LM_PIPELINE_FAULTPOINT", "train.after_step:6:raise")
-    with pytest.raises(FaultInjected):
-        train(cfg, train_data=_Recording(), vocab_size=50, run_dir=run_dir)
-    monkeypatch.delenv("LM_PIPELINE_FAULTPOINT")
-    assert latest_checkpoint(run_dir).endswith("step-4")
+    # a crash after step 6: step-4 is the last complete checkpoint
+    cut = crash_after_step(monkeypatch, 6, lambda: train(cfg, train_data=_Recording(), vocab_size=50, run_dir=run_dir),
+                           run_dir)
+    assert cut.endswith("step-4")
 
     data = _Recording()
     resumed = train(cfg, train_data=data, vocab_size=50, run_dir=run_dir)
     assert resumed.resumed_from.endswith("step-4") and resumed.final_step == 9
     assert data.reads[-5:] == _expected_rows(cfg.trainer.seed, range(4, 9))
-    a, b = _params(clean.state), _params(resumed.state)
-    assert len(a) == len(b) > 0
-    for x, y in zip(a, b, strict=True):
-        np.testing.assert_array_equal(x, y)
-    # and the run did learn something between step 4 and 9 (so equality is not vacuous)
-    start = load(str(Path(run_dir) / "step-4"), jax.eval_shape(lambda: resumed.state))
-    assert any(not np.array_equal(x, y) for x, y in zip(_params(start), b, strict=True))
+    assert_resumed_to(clean.state, resumed.state, run_dir, "step-4")
 
 
 def _tree(root: Path) -> dict[str, str]:
