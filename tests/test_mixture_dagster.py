@@ -103,3 +103,30 @@ def test_a_mixture_through_dagster(tmp_path):
     expected = {"components/books/token_cache", "raw_shards", "token_cache", "train_ckpt", "eval_report", "hf_export"}
     assert plan_misses(folder) == expected
     assert stale_keys(folder, instance) == expected
+
+
+@pytest.mark.parametrize("strategy", ["first_exhausted", "all_exhausted"])
+def test_each_stop_strategy_trains_through_dagster(tmp_path, strategy):
+    """The other two stop strategies through Dagster: train_ckpt (and what it reads) materializes
+    and ends, before its configured steps, at the step the walk over the restart order's rows
+    finds (as from the command line, tests/test_mixture_cli.py)."""
+    from test_mixture_cli import walk_end
+
+    folder = tmp_path / "experiments"
+    folder.mkdir()
+    cfg = mixture_config(tmp_path, WEIGHTS, stop_strategy=strategy)
+    cfg["trainer"].update(train_batch_size=64, num_train_steps=60)  # a component runs out within the run
+    (folder / "default.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    defs = definitions(folder)
+    graph = defs.resolve_asset_graph()
+    wanted = [k for k in dg.AssetSelection.keys("train_ckpt").upstream().resolve(graph) if graph.get(k).is_materializable]
+    result = defs.resolve_job_def(PIPELINE_JOB).execute_in_process(instance=dg.DagsterInstance.ephemeral(),
+                                                                   asset_selection=wanted)
+    assert result.success
+    (exp,) = load_experiments(folder)
+    pipe = exp.fresh_pipeline(ArtifactStore(exp.store_root))
+    assert pipe.cfg.data.stop_strategy == strategy
+    final = materializations(result)["train_ckpt"].metadata["final_step"].value
+    end = walk_end(pipe, strategy)
+    assert end < pipe.cfg.trainer.num_train_steps  # the strategy, not the step count, ends the run
+    assert final == end
