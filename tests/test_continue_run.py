@@ -29,6 +29,13 @@ def _pipe(tmp: Path, store: str, **trainer) -> Pipeline:
     return Pipeline(load_config(path), progress=False)
 
 
+def _train_context(pipe):
+    """What train_ckpt's builder receives as its context."""
+    from lm_pipeline.steps.stage import BuildContext
+
+    return BuildContext(pipe, pipe.stage("train_ckpt"))
+
+
 def _params(step_dir: str) -> list[np.ndarray]:
     model = load_model_from_checkpoint(step_dir).model
     return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
@@ -42,10 +49,10 @@ def test_a_finished_run_continues_to_more_steps_as_if_trained_that_long(tmp_path
 
     longer = _pipe(tmp_path, "store", num_train_steps=9)
     assert longer.address("train_ckpt").fingerprint != short.fingerprint  # another run, from step 0 ...
-    hint = continuation_hint(longer)  # ... which says how to continue the finished one instead
+    hint = continuation_hint(_train_context(longer))  # ... which says how to continue the finished one instead
     assert hint is not None and short.manifest["run_dir"] in hint
     assert hint.endswith(f"--trainer.load_checkpoint_path {old_final}")
-    assert continuation_hint(_pipe(tmp_path, "store", num_train_steps=9, seed=1)) is None  # another config: no hint
+    assert continuation_hint(_train_context(_pipe(tmp_path, "store", num_train_steps=9, seed=1))) is None  # another config
 
     cont = _pipe(tmp_path, "store", num_train_steps=9, load_checkpoint_path=old_final)
     with caplog.at_level(logging.WARNING):

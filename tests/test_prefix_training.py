@@ -201,6 +201,7 @@ def test_training_while_the_cache_builds_equals_training_on_the_complete_cache(t
     from lm_pipeline.schema import from_dict
     from lm_pipeline.steps import Pipeline
     from lm_pipeline.steps.builders import train_while_caching
+    from lm_pipeline.steps.stage import BuildContext, Inputs
     from lm_pipeline.train.trainer import Hook
 
     # The builder is held after two eras of the training split until training has done 2 steps:
@@ -228,7 +229,8 @@ def test_training_while_the_cache_builds_equals_training_on_the_complete_cache(t
 
         if not in_background:
             pipe.token_cache()
-        assert train_while_caching(pipe) is in_background
+        stage = pipe.stage("train_ckpt")
+        assert train_while_caching(BuildContext(pipe, stage), Inputs(pipe, stage)) is in_background
         res = pipe.train_ckpt(hooks=[Hook(record, every=1)])
         return pipe, res, losses, complete_at
 
