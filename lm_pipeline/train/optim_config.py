@@ -157,10 +157,11 @@ class OptimizerConfig:
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
         """Levanter's ``type: adamw`` is ``adam``, ``sophiah`` is ``sophia-h``; a type's keys left
         out take Levanter's defaults for that type (:data:`TYPE_DEFAULTS`)."""
-        kind = {"adamw": "adam", "sophiah": "sophia-h", "sophia_h": "sophia-h"}.get(data.get("type"), data.get("type"))
-        if kind is not None:
-            data["type"] = kind
-        return {**TYPE_DEFAULTS.get(kind, {}), **data} if isinstance(kind, str) else data
+        kind = data.get("type")
+        if not isinstance(kind, str):  # not a name: the field's own check says what it must be
+            return data
+        kind = data["type"] = {"adamw": "adam", "sophiah": "sophia-h", "sophia_h": "sophia-h"}.get(kind, kind)
+        return {**TYPE_DEFAULTS.get(kind, {}), **data}
 
     # -- validation ----------------------------------------------------------------------------
 
