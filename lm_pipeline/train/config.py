@@ -219,6 +219,8 @@ class TrainerConfig:
         tracker = data.get("tracker")
         if isinstance(tracker, dict):
             tracker = [tracker]
+        if tracker is not None and not isinstance(tracker, (list, tuple)):
+            return data  # not trackers (e.g. `tracker: true`): the field's own check says what they must be
         tracker = [dict(t) if isinstance(t, dict) else t for t in (tracker or [])]
         for t in tracker:
             # Levanter: wandb is the tracker when no type is given.
