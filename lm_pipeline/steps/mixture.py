@@ -41,9 +41,6 @@ COMPONENT_STAGES = ("raw_shards", "tokenizer", "token_cache")
 #: How the mixture's ``token_cache`` names a component's cache among its inputs.
 COMPONENT_INPUT = "components/"
 
-#: Fields of the data section that decide how the mixture draws rows (the run's, not the caches').
-DRAW_FIELDS = MIXTURE_DRAW_FIELDS  # which component each row is drawn from: the run's, not the caches
-
 
 def is_mixture(cfg: RunConfig) -> bool:
     return bool(getattr(cfg.data, "configs", None))
@@ -58,7 +55,7 @@ def component_config(cfg: RunConfig, name: str) -> RunConfig:
     source = {f.name: getattr(comp, f.name) for f in dataclasses.fields(SourceConfig)}
     source["cache_dir"] = comp.cache_dir or cfg.data.cache_dir
     no_mixture = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-                  for f in dataclasses.fields(DataConfig) if f.name in ("configs", *DRAW_FIELDS)}
+                  for f in dataclasses.fields(DataConfig) if f.name in ("configs", *MIXTURE_DRAW_FIELDS)}
     data = dataclasses.replace(cfg.data, **source, **no_mixture)
     return dataclasses.replace(cfg, data=data)
 

@@ -20,7 +20,7 @@ from lm_pipeline.fingerprint import semantic_view
 from lm_pipeline.steps import builders, mixture, shown
 from lm_pipeline.steps.stage import Stage
 from lm_pipeline.steps.task_eval import TASK_EVAL
-from lm_pipeline.train.run_identity import run_semantics, start_weights
+from lm_pipeline.train.run_identity import MIXTURE_DRAW_FIELDS, run_semantics, start_weights
 
 if TYPE_CHECKING:
     from lm_pipeline.steps.pipeline import Pipeline
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 def _raw_shards_config(pipe: Pipeline) -> Any:
     view = semantic_view(pipe.cfg.data)
     view.pop("tokenizer", None)  # the tokenizer's own stage
-    for name in ("packing", "shuffle", "era_length", *mixture.DRAW_FIELDS):  # train_ckpt's: the row order never re-reads the shards
+    for name in ("packing", "shuffle", "era_length", *MIXTURE_DRAW_FIELDS):  # train_ckpt's: the row order never re-reads the shards
         view.pop(name, None)
     return view
 
