@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lm_pipeline.schema import ConfigError, field
+from lm_pipeline.schema import ConfigError, field, raise_problems
+from lm_pipeline.train.batch_schedule import BatchSchedule, BatchStep, normalize_schedule, schedule_problems
 from lm_pipeline.train.batch_split import batch_split_problem
 from lm_pipeline.train.checkpoint import CheckpointerConfig
 from lm_pipeline.train.quantization import QuantizationConfig, device_fp8
@@ -147,7 +148,7 @@ class TrainerConfig:
     train_tokens: int | None = field(None, help="Run length as a token budget, converted to steps (rounded up).")
     max_epochs: float | None = field(None, help="A cap on passes over the training data (Levanter's top-level `epoch`): the run stops at its length or after this many epochs, whichever comes first; null = no cap.", hashed_at_default=False)
     z_loss_weight: float = field(0.0, help="Weight of the auxiliary z-loss (Levanter's top-level `z_loss_weight`, PaLM's 1e-4): adds z_loss_weight * mean(logsumexp(logits)^2) over the target tokens to the training loss; 0 = none. Reported losses stay the cross-entropy.", hashed_at_default=False)
-    train_batch_size: int = field(32, help="Global batch size in sequences: all devices and all accumulated micro-batches of one step (Levanter's batch_size; LLM-Trainer's per-device batch_size is per_device_batch_size).", aliases=("batch_size",))
+    train_batch_size: int | tuple[BatchStep, ...] = field(32, help="Global batch size in sequences: all devices and all accumulated micro-batches of one step (Levanter's batch_size; LLM-Trainer's per-device batch_size is per_device_batch_size); or Levanter's batch-size schedule, a list of {start: STEP, value: SIZE} (first start 0, starts increasing): each step reads the next SIZE rows.", aliases=("batch_size",))
     per_device_parallelism: int | Literal["auto"] = field(
         -1,
         help="Sequences per device per micro-batch; -1 = the whole batch (no gradient accumulation); 'auto' = the largest "
@@ -213,9 +214,11 @@ class TrainerConfig:
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
         data = _llm_trainer_raw(data)
         for key in ("train_batch_size", "batch_size"):
-            if isinstance(data.get(key), (list, tuple)):
-                raise ConfigError(key, "Levanter's batch-size schedule (`train_batch_size: [{start, value}, ...]`, "
-                                  "a batch size per range of steps) is not supported here: give one train_batch_size")
+            problems = schedule_problems(data.get(key), key)
+            if problems:
+                raise_problems([ConfigError(where, why) for where, why in problems])
+            if key in data:
+                data[key] = normalize_schedule(data[key])
         tracker = data.get("tracker")
         if isinstance(tracker, dict):
             tracker = [tracker]
@@ -245,7 +248,7 @@ class TrainerConfig:
         lengths = [n for n in ("num_train_steps", "num_epochs", "train_tokens") if getattr(self, n) is not None]
         if len(lengths) > 1:
             raise ConfigError(lengths[1], f"give only one of num_train_steps, num_epochs, train_tokens (got {', '.join(lengths)})")
-        for name in ("num_train_steps", "train_tokens", "train_batch_size", "steps_per_eval", "log_every", "model_axis_size"):
+        for name in ("num_train_steps", "train_tokens", "steps_per_eval", "log_every", "model_axis_size"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(name, f"must be >= 1, got {v}")
@@ -262,12 +265,10 @@ class TrainerConfig:
                 raise ConfigError(name, f"must be -1 (whole batch) or >= 1{extra}, got {v}")
         if self.device_memory_gib is not None and not self.device_memory_gib > 0:
             raise ConfigError("device_memory_gib", f"must be > 0 or null, got {self.device_memory_gib}")
+        if isinstance(self.train_batch_size, int) and self.train_batch_size < 1:
+            raise ConfigError("train_batch_size", f"must be >= 1, got {self.train_batch_size}")
         self._validate_accumulation()
-        per = self.per_device_parallelism
-        problem = batch_split_problem(self.train_batch_size, per_device=per if isinstance(per, int) else None,
-                                      accumulation=self.gradient_accumulation_steps)
-        if problem:
-            raise ConfigError(*problem)
+        self._validate_split()
         try:
             parse_mp_names(self.mp)
         except ConfigError as e:
@@ -278,6 +279,33 @@ class TrainerConfig:
             for logical, mesh_axis in (getattr(self, name) or {}).items():
                 if mesh_axis not in (None, "data", "model"):
                     raise ConfigError(f"{name}.{logical}", f"mesh axis must be 'data', 'model' or null, got {mesh_axis!r}")
+
+    def _validate_split(self, data_size: int | None = None, prefix: str = "") -> None:
+        """Every batch size (each entry of a schedule) splits into micro-batches as
+        :func:`batch_split_problem` requires; a schedule's problems are reported together, each
+        naming its entry."""
+        per = self.per_device_parallelism
+        per = per if isinstance(per, int) else None
+        if isinstance(self.train_batch_size, int):
+            problem = batch_split_problem(self.train_batch_size, per_device=per,
+                                          accumulation=self.gradient_accumulation_steps, data_size=data_size)
+            if problem:
+                raise ConfigError(prefix + problem[0], problem[1])
+            return
+        problems = []
+        for i, entry in enumerate(self.train_batch_size):
+            problem = batch_split_problem(entry.value, per_device=per, accumulation=self.gradient_accumulation_steps,
+                                          data_size=data_size)
+            if problem:
+                where = f"{prefix}train_batch_size[{i}].value" if problem[0] == "train_batch_size" else prefix + problem[0]
+                why = problem[1] if problem[0] == "train_batch_size" else f"at step {entry.start}: {problem[1]}"
+                problems.append(ConfigError(where, why))
+        raise_problems(problems)
+
+    @property
+    def batch_schedule(self) -> BatchSchedule:
+        """The batch size and data offset of every step (a plain batch size: one entry)."""
+        return BatchSchedule(self.train_batch_size)
 
     def _validate_accumulation(self) -> None:
         gas, per = self.gradient_accumulation_steps, self.per_device_parallelism
@@ -315,10 +343,14 @@ class TrainerConfig:
                 "trainer.model_axis_size",
                 f"{self.model_axis_size} does not divide the {num_devices} devices; use a divisor of {num_devices}",
             )
-        per = self.per_device_parallelism if isinstance(self.per_device_parallelism, int) else None
-        self.micro_batching(num_devices // self.model_axis_size, per)
+        if isinstance(self.train_batch_size, int):
+            per = self.per_device_parallelism if isinstance(self.per_device_parallelism, int) else None
+            self.micro_batching(num_devices // self.model_axis_size, per)
+        else:
+            self._validate_split(num_devices // self.model_axis_size, prefix="trainer.")
 
-    def micro_batching(self, data_size: int, per_device: int | None = None) -> tuple[int, int]:
+    def micro_batching(self, data_size: int, per_device: int | None = None, batch_size: int | None = None
+                       ) -> tuple[int, int]:
         """(sequences per device per micro-batch, micro-batches accumulated per step) on
         ``data_size`` data-parallel devices (the split decided by
         :func:`lm_pipeline.train.batch_split.batch_split_problem`).
@@ -326,17 +358,21 @@ class TrainerConfig:
         ``per_device``: the micro-batch per device; None or <= 0 = the whole batch at once.
         With ``gradient_accumulation_steps`` set, the micro-batch is ``train_batch_size /
         (gradient_accumulation_steps x data_size)`` and ``per_device``, when given, must equal it.
+        ``batch_size``: the step's batch (one size of a schedule); default ``train_batch_size``,
+        which must then be one size.
         """
         gas = self.gradient_accumulation_steps
-        problem = batch_split_problem(self.train_batch_size, per_device=per_device, accumulation=gas,
-                                      data_size=data_size)
+        batch = self.train_batch_size if batch_size is None else batch_size
+        if not isinstance(batch, int):
+            raise ValueError("a batch-size schedule has one micro-batch split per size: pass batch_size")
+        problem = batch_split_problem(batch, per_device=per_device, accumulation=gas, data_size=data_size)
         if problem:
             raise ConfigError(f"trainer.{problem[0]}", problem[1])
         if gas is not None:
-            return self.train_batch_size // gas // data_size, gas
+            return batch // gas // data_size, gas
         whole = per_device is None or per_device <= 0
-        micro = max(1, self.train_batch_size // data_size if whole else per_device)
-        return micro, self.train_batch_size // (micro * data_size)
+        micro = max(1, batch // data_size if whole else per_device)
+        return micro, batch // (micro * data_size)
 
     def resolve_num_steps(self, num_sequences: int | None, seq_len: int) -> int:
         """Optimizer steps for this run, converting epochs / token budgets with the data size:
@@ -350,6 +386,8 @@ class TrainerConfig:
     def _length_in_steps(self, num_sequences: int | None, seq_len: int) -> int:
         if self.num_train_steps is not None:
             return self.num_train_steps
+        if self.train_tokens is not None and not isinstance(self.train_batch_size, int):  # the schedule's rows
+            return max(1, self.batch_schedule.steps_to_reach(self.train_tokens / seq_len))
         if self.train_tokens is not None:
             return -(-self.train_tokens // (self.train_batch_size * seq_len))
         if self.num_epochs is not None:
@@ -360,6 +398,8 @@ class TrainerConfig:
         if not num_sequences:
             raise ConfigError(where, "needs the training data's size; build the cache first or give num_train_steps")
         # every row seen `epochs` times: the last (partial) batch's worth of rows is a whole step
+        if not isinstance(self.train_batch_size, int):
+            return max(1, self.batch_schedule.steps_to_reach(epochs * num_sequences))
         return max(1, math.ceil(epochs * num_sequences / self.train_batch_size - 1e-9))
 
 

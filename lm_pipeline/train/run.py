@@ -30,6 +30,7 @@ from lm_pipeline.fingerprint import fingerprint
 from lm_pipeline.hf.start import hf_source_files as _hf_source_files
 from lm_pipeline.hf.start import model_vocab_size
 from lm_pipeline.schema import ConfigError, to_dict
+from lm_pipeline.train.batch_schedule import BatchSchedule, ScheduledBatchSource, scheduled_mixture
 from lm_pipeline.train.checkpoint import Checkpointer, latest_checkpoint
 from lm_pipeline.train.optim import all_finite
 from lm_pipeline.train.runlog import setup_logging
@@ -100,7 +101,16 @@ class _Run:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.cfg.trainer.train_batch_size * self.cfg.model.seq_len
+        """Tokens of step 0 (a batch-size schedule's first size; :meth:`tokens_at` for any step)."""
+        return self.tokens_at(0)
+
+    def tokens_at(self, step: int) -> int:
+        """Tokens of step ``step`` (0-based): its batch size (a schedule's, at that step) x seq_len."""
+        return self.schedule.batch_size_at(step) * self.cfg.model.seq_len
+
+    @property
+    def schedule(self) -> BatchSchedule:
+        return self.cfg.trainer.batch_schedule
 
 
 def train(
@@ -148,7 +158,7 @@ def train(
     try:
         for step, (toks, seg) in batches:
             with run.plan.mesh:
-                state, metrics = fns.train_step(state, toks, seg)
+                state, metrics = fns.train_step_for(run.schedule.batch_size_at(step))(state, toks, seg)
             done = step + 1
             faultpoint("train.after_step")
             meter.after_step(step, metrics)
@@ -182,7 +192,9 @@ def _prepare(cfg: RunConfig, train_data: SequenceDataset | Mapping[str, Sequence
     initialize_distributed(tc.distributed)
     plan = make_mesh(tc)
     seq_len = cfg.model.seq_len
-    if isinstance(train_data, Mapping):  # a mixture's components (lm_pipeline.data.mixture)
+    if not isinstance(tc.train_batch_size, int):  # a batch-size schedule (lm_pipeline.train.batch_schedule)
+        source, num_steps = _scheduled_source(cfg, train_data)
+    elif isinstance(train_data, Mapping):  # a mixture's components (lm_pipeline.data.mixture)
         source = mixture_source(cfg.data, train_data, tc.train_batch_size, tc.seed)
         num_steps = mixture_num_steps(source, tc, seq_len)
     else:
@@ -196,8 +208,8 @@ def _prepare(cfg: RunConfig, train_data: SequenceDataset | Mapping[str, Sequence
     run_dir = run_dir or f"{(tc.checkpointer.base_path or 'checkpoints').rstrip('/')}/{run_id}"
     setup_logging(tc.log_dir, run_id)
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every internal step at INFO
-    log.info("run %s: %d steps, batch %d x %d tokens, %d devices (data %d x model %d)",
-             run_id, num_steps, tc.train_batch_size, seq_len, jax.device_count(), plan.data_size, plan.model_size)
+    log.info("run %s: %d steps, batch %s x %d tokens, %d devices (data %d x model %d)",
+             run_id, num_steps, tc.train_batch_size if isinstance(tc.train_batch_size, int) else tc.batch_schedule, seq_len, jax.device_count(), plan.data_size, plan.model_size)
     has_segments = source.batch(0).segment_ids is not None
     vocab_size = model_vocab_size(cfg, vocab_size)  # a Hugging Face start keeps its padded vocabulary
     if tc.per_device_parallelism == "auto":
@@ -206,6 +218,35 @@ def _prepare(cfg: RunConfig, train_data: SequenceDataset | Mapping[str, Sequence
                                plan=plan, has_segments=has_segments)
     checkpointer = _FiniteStateCheckpointer(cfg.trainer.checkpointer, base_path_override=run_dir)
     return _Run(cfg, plan, num_steps, run_id, run_dir, source, fns, checkpointer, vocab_size)
+
+
+def _scheduled_source(cfg: RunConfig, train_data: SequenceDataset | Mapping[str, SequenceDataset]
+                      ) -> tuple[ScheduledBatchSource, int]:
+    """The batch source and length of a run with a batch-size schedule: step k reads the rows at
+    positions [offset(k), offset(k) + size(k)) of the row order a fixed-batch run has."""
+    tc, schedule = cfg.trainer, cfg.trainer.batch_schedule
+    if isinstance(train_data, Mapping):
+        from lm_pipeline.data.mixture import length_problems
+
+        for where, problem in length_problems(tc):
+            raise ConfigError(where, problem)
+        order = scheduled_mixture(cfg.data, train_data, schedule, tc.seed)
+    else:
+        order = StepBatchSource(train_data, 1, tc.seed, shuffle=cfg.data.shuffle, era_length=cfg.data.era_length)
+    source = ScheduledBatchSource(order, schedule, process_index=jax.process_index(),
+                                  process_count=jax.process_count())
+    if isinstance(train_data, Mapping):
+        num_steps, end = tc.resolve_num_steps(None, order.seq_len), source.num_steps
+        if end is not None and end < num_steps:
+            if end == 0:
+                raise ConfigError("data.stop_strategy", f"{cfg.data.stop_strategy}: a component runs out before the "
+                                  "first batch is full; use restart or more data")
+            log.info("mixture: stop_strategy %s ends the run at step %d, before num_train_steps %d",
+                     cfg.data.stop_strategy, end, num_steps)
+            num_steps = end
+    else:
+        num_steps = tc.resolve_num_steps(_num_rows(train_data, cfg), order.seq_len)
+    return source, num_steps
 
 
 def _num_rows(train_data: SequenceDataset, cfg: RunConfig) -> int:
@@ -303,7 +344,7 @@ class _Evaluator:
         tc, plan = run.cfg.trainer, run.plan
         self.run, self.data, self.bytes_per_token, self.tracker, self.result = run, eval_data, bytes_per_token, tracker, result
         per_device = tc.per_device_eval_parallelism if tc.per_device_eval_parallelism > 0 else max(
-            1, tc.train_batch_size // plan.data_size)
+            1, tc.batch_schedule.max_size // plan.data_size)  # a schedule: its largest batch, as Levanter
         self.batch_size = per_device * plan.data_size
 
     def due(self, done: int) -> bool:
@@ -341,13 +382,14 @@ class _StepMeter:
         self.flops_per_token = run.cfg.model.flops_per_token(vocab_size)
         self.peak = device_peak_flops()
         self.lr_at = run.cfg.optimizer.lr_scheduler(run.num_steps)
-        self.window_t0, self.window_steps = time.perf_counter(), 0
+        self.window_t0, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
         self.t_start = time.perf_counter()
         self.last: dict[str, Any] | None = None
 
     def after_step(self, step: int, metrics: Mapping[str, Any]) -> None:
         done, num_steps = step + 1, self.run.num_steps
         self.window_steps += 1
+        self.window_tokens += self.run.tokens_at(step)
         self.bar.update(1)
         if done % self.run.cfg.trainer.log_every and done != num_steps:
             return
@@ -359,16 +401,19 @@ class _StepMeter:
                 "data, or set optimizer.skip_bad_steps: true to skip such steps"
             )
         dt = time.perf_counter() - self.window_t0
-        tps = self.window_steps * self.run.tokens_per_step / max(dt, 1e-9)
+        tps = self.window_tokens / max(dt, 1e-9)
         host["optim/learning_rate"] = float(self.lr_at(step))
         host["throughput/tokens_per_second"] = tps
         host["throughput/step_seconds"] = dt / self.window_steps
+        if not self.run.schedule.is_constant:  # what a batch-size schedule changes: the batch and tokens so far
+            host["train/batch_size"] = float(self.run.schedule.batch_size_at(step))
+            host["throughput/total_tokens"] = float(self.run.schedule.offset_at(done) * self.run.cfg.model.seq_len)
         if self.peak:
             host["throughput/mfu"] = self.flops_per_token * tps / (self.peak * jax.device_count())
         self.tracker.log(host, step=done)
         self.bar.set_postfix(loss=f"{host['train/loss']:.3f}", tok_s=f"{tps:,.0f}")
         self.last = host
-        self.window_t0, self.window_steps = time.perf_counter(), 0
+        self.window_t0, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
 
     def close(self) -> None:
         self.bar.close()

@@ -8,6 +8,7 @@ parameter axis mapping (FSDP / tensor parallel), batches by the compute mapping.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -74,16 +75,24 @@ class StepFunctions:
     compute: ComputePlan
     micro_batch_rows: int = 0  # rows of one micro-batch over all data-parallel devices
     accumulation_steps: int = 1  # micro-batches accumulated by train_step (what its scan runs)
+    batch_rows: int = 0  # the global batch train_step takes (a schedule's first size)
+    # a batch-size schedule's other sizes: one compiled step each (their own micro-batch split)
+    other_train_steps: Mapping[int, StepFn] = field(default_factory=dict)
+
+    def train_step_for(self, batch_rows: int) -> StepFn:
+        """The train step of a global batch of ``batch_rows`` rows."""
+        return self.train_step if batch_rows == self.batch_rows else self.other_train_steps[batch_rows]
 
 
-def micro_batches(trainer_cfg: TrainerConfig, plan: MeshPlan) -> tuple[int, int]:
-    """(rows per micro-batch over all data-parallel devices, micro-batches per step)."""
+def micro_batches(trainer_cfg: TrainerConfig, plan: MeshPlan, batch_size: int | None = None) -> tuple[int, int]:
+    """(rows per micro-batch over all data-parallel devices, micro-batches per step) of a global
+    batch of ``batch_size`` rows (default ``trainer.train_batch_size``; one size of a schedule)."""
     if trainer_cfg.per_device_parallelism == "auto":
         raise ValueError(
             "per_device_parallelism: 'auto' must be resolved before building the step "
             "(lm_pipeline.estimate.resolve_auto_parallelism; train() does it)"
         )
-    per_device, accum = trainer_cfg.micro_batching(plan.data_size, trainer_cfg.per_device_parallelism)
+    per_device, accum = trainer_cfg.micro_batching(plan.data_size, trainer_cfg.per_device_parallelism, batch_size)
     return per_device * plan.data_size, accum
 
 
@@ -170,9 +179,13 @@ def build_step_functions(
     (:func:`lm_pipeline.compute.plan_for_mesh`).
     """
     precision: Precision = trainer_cfg.precision
-    micro, accum = micro_batches(trainer_cfg, plan)
-    log.info("train step: %d micro-batch(es) of %d rows (%d per data-parallel device) per optimizer step", accum,
-             micro, micro // plan.data_size)
+    sizes = trainer_cfg.batch_schedule.distinct_sizes
+    first = trainer_cfg.batch_schedule.batch_size_at(0)
+    splits = {size: micro_batches(trainer_cfg, plan, size) for size in sizes}
+    for size, (m, a) in splits.items():
+        log.info("train step%s: %d micro-batch(es) of %d rows (%d per data-parallel device) per optimizer step",
+                 f" (batch {size})" if len(sizes) > 1 else "", a, m, m // plan.data_size)
+    micro, accum = splits[first]
     if compute is None:
         compute = plan_for_mesh(plan.mesh, precision.compute, loss_scaling=precision.uses_loss_scaling)
     lay = _layout(model_cfg, opt_cfg, precision, vocab_size, num_train_steps, plan)
@@ -182,16 +195,23 @@ def build_step_functions(
     replicated, batch_sharding = plan.replicated(), plan.batch_sharding()
     in_shardings = (lay.state_shardings, batch_sharding, batch_sharding if has_segments else None)
 
+    def jit_train_step(step_ctx: _StepContext) -> StepFn:
+        return jax.jit(partial(_train_step, step_ctx), in_shardings=in_shardings,
+                       out_shardings=(lay.state_shardings, replicated), donate_argnums=(0,))
+
+    others = {size: jit_train_step(dataclasses.replace(ctx, micro=m, accum=a))
+              for size, (m, a) in splits.items() if size != first}
     return StepFunctions(
         init=jax.jit(lay.init_arrays, out_shardings=lay.state_shardings),
-        train_step=jax.jit(partial(_train_step, ctx), in_shardings=in_shardings,
-                           out_shardings=(lay.state_shardings, replicated), donate_argnums=(0,)),
+        train_step=jit_train_step(ctx),
         eval_step=jax.jit(partial(_eval_step, ctx), in_shardings=in_shardings, out_shardings=(replicated, replicated)),
         state_shardings=lay.state_shardings,
         abstract_state=lay.abstract_state,
         compute=compute,
         micro_batch_rows=micro,
         accumulation_steps=ctx.accum,
+        batch_rows=first,
+        other_train_steps=others,
     )
 
 
