@@ -126,11 +126,17 @@ def test_hutchinson_estimate_is_the_hessian_diagonal_on_average():
 
 def test_sophia_h_is_the_papers_update_step_for_step():
     """Lr, beta1, beta2, gamma, epsilon, the interval, bias correction and the clip as the paper (with
-    Levanter's bias-corrected momentum); the Gaussian probes, drawn as the optimizer draws them, are
-    the one shared input, and the Hessian-vector product is the exact A @ u."""
+    Levanter's bias-corrected momentum); the Gaussian probes, drawn as the optimizer draws them (a fresh
+    one per estimate: the key folded with the step), are the one shared input, and the Hessian-vector
+    product is the exact A @ u. Run twice: with the objective whole, and as two parts (a batch's two
+    micro-batches: A = A1 + A2, c = c1 + c2) whose Hessian-vector products are summed."""
     shapes = {"b": (5,), "w": (3, 4)}
     n = 17
     a, c = _quadratic(n)
+    a1 = np.triu(a) * 0.7 + np.tril(a, -1) * 0.7
+    a1 = (a1 + a1.T) / 2  # a symmetric part; a2 = a - a1 the other
+    a2, c1 = a - a1, c * 0.25
+    c2 = c - c1
     # gamma large enough that, once h holds an estimate, most coordinates' steps m / (gamma h) fall
     # inside the clip: the preconditioner (and when h is updated) decides the values, not the sign
     lr, b1, b2, gamma, eps, every = 0.05, 0.96, 0.99, 300.0, 1e-12, 3
@@ -138,37 +144,128 @@ def test_sophia_h_is_the_papers_update_step_for_step():
     def flat(p):
         return jnp.concatenate([p["b"], p["w"].reshape(-1)])
 
+    def quad(x, aa, cc):
+        return 0.5 * x @ (jnp.asarray(aa, jnp.float32) @ x) + jnp.asarray(cc, jnp.float32) @ x
+
     def obj(p):
-        x = flat(p)
-        return 0.5 * x @ (jnp.asarray(a, jnp.float32) @ x) + jnp.asarray(c, jnp.float32) @ x
+        return quad(flat(p), a, c)
+
+    def obj_part(p, i):  # part 0 + part 1 = obj
+        return jnp.where(i == 0, quad(flat(p), a1, c1), quad(flat(p), a2, c2))
 
     cfg = from_dict(OptimizerConfig, {"type": "sophia-h", "learning_rate": lr, "weight_decay": 0.0, "gamma": gamma,
                                       "update_interval": every, "lr_schedule": "constant", "warmup": 0,
                                       "max_grad_norm": None})
     assert (cfg.beta1, cfg.beta2, cfg.epsilon) == (b1, b2, eps)  # Levanter's Sophia-H defaults
-    tx = cfg.build(100, None)
-    params = {"b": jnp.linspace(-1, 1, 5, dtype=jnp.float32), "w": jnp.linspace(1, -2, 12, dtype=jnp.float32).reshape(3, 4)}
-    state = tx.init(params)
-    x = np.asarray(flat(params), np.float64)
-    m, h, key = np.zeros(n), np.zeros(n), jax.random.key(0)
-    inside = 0
-    for t in range(1, 14):
-        g = jax.grad(obj)(params)
-        upd, state = tx.update(g, state, params, obj_fn=obj)
-        params = optax.apply_updates(params, upd)
-        # the reference
-        grad = a @ x + c
-        m = b1 * m + (1 - b1) * grad
-        raw = m / (1 - b1 ** t) / np.maximum(gamma * h, eps)
-        inside += int((np.abs(raw) < 0.9).sum())
-        step = np.clip(raw, -1, 1)
-        if t % every == 0:
-            key, nxt = jax.random.split(key)
-            ks = jax.random.split(key, 2)
-            u = np.concatenate([np.asarray(jax.random.normal(k, shapes[name], jnp.float32), np.float64).reshape(-1)
-                                for k, name in zip(ks, ("b", "w"), strict=True)])
-            h = b2 * h + (1 - b2) * u * (a @ u)
-            key = nxt
-        x = x - lr * step
-        np.testing.assert_allclose(np.asarray(flat(params)), x, rtol=1e-4, atol=1e-5, err_msg=f"step {t}")
-    assert inside >= 3 * n, f"only {inside} unclipped coordinate steps: the Hessian term is not exercised"
+    for parts in (None, 2):
+        tx = cfg.build(100, None)
+        params = {"b": jnp.linspace(-1, 1, 5, dtype=jnp.float32),
+                  "w": jnp.linspace(1, -2, 12, dtype=jnp.float32).reshape(3, 4)}
+        state = tx.init(params)
+        extra = {"obj_fn": obj} if parts is None else {"obj_fn": obj_part, "obj_parts": parts}
+        x = np.asarray(flat(params), np.float64)
+        m, h, key = np.zeros(n), np.zeros(n), jax.random.key(0)
+        inside, probes = 0, []
+        for t in range(1, 14):
+            g = jax.grad(obj)(params)
+            upd, state = tx.update(g, state, params, **extra)
+            params = optax.apply_updates(params, upd)
+            # the reference
+            grad = a @ x + c
+            m = b1 * m + (1 - b1) * grad
+            raw = m / (1 - b1 ** t) / np.maximum(gamma * h, eps)
+            inside += int((np.abs(raw) < 0.9).sum())
+            step = np.clip(raw, -1, 1)
+            if t % every == 0:
+                ks = jax.random.split(jax.random.fold_in(key, t), 2)
+                u = np.concatenate([np.asarray(jax.random.normal(k, shapes[name], jnp.float32), np.float64).reshape(-1)
+                                    for k, name in zip(ks, ("b", "w"), strict=True)])
+                probes.append(u)
+                h = b2 * h + (1 - b2) * u * (a @ u)
+            x = x - lr * step
+            np.testing.assert_allclose(np.asarray(flat(params)), x, rtol=1e-4, atol=1e-5,
+                                       err_msg=f"step {t}, parts {parts}")
+        assert inside >= 3 * n, f"only {inside} unclipped coordinate steps: the Hessian term is not exercised"
+        assert len(probes) == 4 and all(np.abs(p - q).max() > 0.1 for i, p in enumerate(probes) for q in probes[:i])
+
+
+def test_sophia_h_draws_a_fresh_probe_for_each_estimate():
+    """Read off the probes themselves, whatever the key scheme: with f = |x|^2 / 2 (H = I) and beta2 = 0,
+    h after an estimate is u * u exactly; two estimates (steps 1 and 2), with or without the trainer's
+    per-step probe key, hold different probes."""
+    from lm_pipeline.train.sophia import SophiaState, scale_by_sophia_h
+
+    params = {"x": jnp.ones(64, jnp.float32)}
+    obj = lambda p: 0.5 * jnp.sum(p["x"] ** 2)  # noqa: E731
+    for keyed in (False, True):
+        tx = scale_by_sophia_h(0.9, 0.0, 1e-12, 1.0, 1)
+        state, seen = tx.init(params), []
+        for step in range(3):
+            extra = {"probe_key": jax.random.fold_in(jax.random.key(7), step)} if keyed else {}
+            _, state = tx.update(jax.grad(obj)(params), state, params, obj_fn=obj, **extra)
+            assert isinstance(state, SophiaState)
+            seen.append(np.asarray(state.h["x"]))
+        assert all(np.all(u2 > 0) for u2 in seen)  # u * u: an estimate was taken each step
+        for i in range(3):
+            for j in range(i):
+                assert np.abs(seen[i] - seen[j]).max() > 0.1, (keyed, i, j)
+
+
+def _packed_batches(steps: int, rows: int, seq_len: int = 32, vocab: int = 64):
+    """Random documents packed into rows with segment ids and trailing padding (id 0): the
+    micro-batches of a step hold different numbers of predicted tokens."""
+    from lm_pipeline.batch import LmBatch
+
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(steps):
+        seg = np.zeros((rows, seq_len), np.int32)
+        for r in range(rows):
+            pos, doc, end = 0, 1, seq_len - int(rng.integers(0, 16))
+            while pos < end:
+                k = int(rng.integers(2, 14))
+                seg[r, pos : min(pos + k, end)] = doc
+                pos, doc = pos + k, doc + 1
+        out.append(LmBatch(rng.integers(0, vocab, (rows, seq_len)).astype(np.int32), seg))
+    return out
+
+
+def _sophia_run(per_device: int, batches):
+    from lm_pipeline.train.sharding import make_mesh
+    from lm_pipeline.train.sophia import SophiaState
+    from lm_pipeline.train.trainer import build_step_functions, put_batch
+
+    cfg = load_config(None, {
+        "model.type": "llama", "model.seq_len": 32, "model.hidden_dim": 32, "model.num_heads": 4,
+        "model.num_kv_heads": 2, "model.intermediate_dim": 64, "model.num_layers": 2,
+        "model.gradient_checkpointing": False, "trainer.mp": "f32", "trainer.train_batch_size": 16,
+        "trainer.per_device_parallelism": per_device, "trainer.progress": False, "optimizer.type": "sophia-h",
+        "optimizer.learning_rate": 1e-2, "optimizer.warmup": 0, "optimizer.update_interval": 1,
+        "optimizer.gamma": 1e-4, "optimizer.weight_decay": 0.0})
+    plan = make_mesh(cfg.trainer, jax.devices()[:1])
+    fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=64, num_train_steps=10, plan=plan,
+                               has_segments=True)
+    assert fns.accumulation_steps == (1 if per_device == -1 else 16 // per_device)
+    state = fns.init(jax.random.key_data(jax.random.key(0)))
+    hs = []
+    for b in batches:
+        state, _ = fns.train_step(state, *put_batch(b, plan))
+        soph = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, SophiaState))
+                if isinstance(s, SophiaState)]
+        hs.append([np.asarray(x, np.float64) for x in jax.tree.leaves(soph[0].h)])
+    return [np.asarray(x, np.float64) for x in jax.tree.leaves(state.model)], hs
+
+
+def test_sophia_h_with_accumulation_estimates_the_hessian_on_the_whole_batch():
+    """Three steps, an estimate each: 4 micro-batches of 4 rows (packed rows of unequal token counts)
+    give the full batch's Hessian estimate (the same probe, the token-weighted mean over the batch) and
+    the same parameters as one micro-batch of 16 rows."""
+    batches = _packed_batches(3, 16)
+    full, h_full = _sophia_run(-1, batches)
+    accum, h_accum = _sophia_run(4, batches)
+    for step, (hf, ha) in enumerate(zip(h_full, h_accum, strict=True)):
+        assert sum(np.abs(x).sum() for x in hf) > 0, step  # an estimate was taken
+        for a, b in zip(hf, ha, strict=True):
+            assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(a) + 1e-12, step
+    for a, b in zip(full, accum, strict=True):
+        assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(a)

@@ -78,6 +78,7 @@ class StepFunctions:
     batch_rows: int = 0  # the global batch train_step takes (a schedule's first size)
     # a batch-size schedule's other sizes: one compiled step each (their own micro-batch split)
     other_train_steps: Mapping[int, StepFn] = field(default_factory=dict)
+    loss_mask: bool = False  # train/eval steps take a 4th argument: the batch's loss mask (chat sources)
 
     def train_step_for(self, batch_rows: int) -> StepFn:
         """The train step of a global batch of ``batch_rows`` rows."""
@@ -172,6 +173,7 @@ def build_step_functions(
     plan: MeshPlan,
     has_segments: bool,
     compute: ComputePlan | None = None,
+    has_loss_mask: bool = False,
 ) -> StepFunctions:
     """Jitted init / train / eval functions with explicit shardings.
 
@@ -193,7 +195,8 @@ def build_step_functions(
     ctx = _StepContext(lay, compute, precision, micro, accum, plan, dropout_active, trainer_cfg.z_loss_weight,
                        opt_cfg.type == "sophia-h")
     replicated, batch_sharding = plan.replicated(), plan.batch_sharding()
-    in_shardings = (lay.state_shardings, batch_sharding, batch_sharding if has_segments else None)
+    in_shardings = (lay.state_shardings, batch_sharding, batch_sharding if has_segments else None,
+                    *((batch_sharding,) if has_loss_mask else ()))  # a chat source's loss mask
 
     def jit_train_step(step_ctx: _StepContext) -> StepFn:
         return jax.jit(partial(_train_step, step_ctx), in_shardings=in_shardings,
@@ -212,69 +215,90 @@ def build_step_functions(
         accumulation_steps=ctx.accum,
         batch_rows=first,
         other_train_steps=others,
+        loss_mask=has_loss_mask,
     )
 
 
-def _grad_sums(ctx: _StepContext, params, tokens, seg, key, scale):
-    """(loss sum, token count, gradients of ``scale * loss sum``); scale = the f16 loss scale, else 1."""
+def _grad_sums(ctx: _StepContext, params, tokens, seg, key, scale, lmask=None):
+    """(loss sum, token count, gradients of ``scale * loss sum``); scale = the f16 loss scale, else 1;
+    ``lmask``: the loss mask (chat sources), or None."""
 
     def f(p):
         p = jax.lax.with_sharding_constraint(cast_floating(p, ctx.precision.compute), ctx.lay.compute_shardings)
         model = eqx.combine(p, ctx.lay.model_static)
         obj, s, n = training_loss_sums(model, tokens, seg, key=key, inference=not ctx.dropout_active,
-                                       plan=ctx.compute, z_loss_weight=ctx.z_loss_weight)
+                                       plan=ctx.compute, z_loss_weight=ctx.z_loss_weight, loss_mask=lmask)
         return obj * scale if ctx.scaling else obj, (s, n)
 
     (_, (s, n)), g = jax.value_and_grad(f, has_aux=True)(params)
     return s, n, g
 
 
-def _accumulated_grads(ctx: _StepContext, params, tokens, seg, step_key, scale):
-    """:func:`_grad_sums` summed over the step's micro-batches (a scan when there are several)."""
+def _micro_batches(ctx: _StepContext, tokens, seg):
+    """The step's batch as ``[accum, micro, ...]`` (tokens, segment ids or None). Micro-batch i =
+    rows i, i+accum, ...: each micro-batch stays spread over all data-parallel devices."""
     if ctx.accum == 1:
-        return _grad_sums(ctx, params, tokens, seg, step_key, scale)
-    # Micro-batch i = rows i, i+accum, ...: each micro-batch stays spread over all
-    # data-parallel devices.
+        return tokens[None], (seg[None] if seg is not None else None)
     sharding = jax.sharding.NamedSharding(ctx.plan.mesh, jax.sharding.PartitionSpec(None, *ctx.plan.batch_sharding().spec))
 
     def split(x):
         return jax.lax.with_sharding_constraint(x.reshape(ctx.micro, ctx.accum, *x.shape[1:]).swapaxes(0, 1), sharding)
 
-    mtoks, mseg = split(tokens), (split(seg) if seg is not None else None)
+    return split(tokens), (split(seg) if seg is not None else None)
+
+
+def _accumulated_grads(ctx: _StepContext, params, tokens, seg, step_key, scale, lmask=None):
+    """:func:`_grad_sums` summed over the step's micro-batches (a scan when there are several)."""
+    if ctx.accum == 1:
+        return _grad_sums(ctx, params, tokens, seg, step_key, scale, lmask)
+    mtoks, mseg = _micro_batches(ctx, tokens, seg)
+    mmask = _micro_batches(ctx, lmask, None)[0] if lmask is not None else None
 
     def body(carry, i):
         out = _grad_sums(ctx, params, mtoks[i], mseg[i] if mseg is not None else None,
-                         jax.random.fold_in(step_key, i), scale)
+                         jax.random.fold_in(step_key, i), scale, mmask[i] if mmask is not None else None)
         return jax.tree.map(jnp.add, carry, out), None
 
     zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
     return jax.lax.scan(body, zeros, jnp.arange(ctx.accum))[0]
 
 
-def _objective(ctx: _StepContext, tokens, seg):
-    """The batch's mean loss as a function of the parameters (Sophia-H's Hessian-vector products):
-    no dropout, and the reference plan, whose operations all have second derivatives."""
+#: Sophia-H's probe for step k is ``fold_in(fold_in(run key, k), HUTCHINSON_STREAM)``: a stream of its
+#: own (micro-batch i's dropout folds in i < accumulation steps).
+HUTCHINSON_STREAM = 0x50524F42
 
-    def f(p):
+
+def _objective(ctx: _StepContext, tokens, seg, count, lmask=None):
+    """The batch's mean loss as a sum over its micro-batches, for Sophia-H's Hessian-vector products
+    (``obj_fn(p, i)``, ``obj_parts = accum``): part i is micro-batch i's loss sum over the batch's
+    token ``count``, so the estimate is over the gradient's batch, one micro-batch at a time. No
+    dropout, and the reference plan, whose operations all have second derivatives."""
+    mtoks, mseg = _micro_batches(ctx, tokens, seg)
+    mmask = _micro_batches(ctx, lmask, None)[0] if lmask is not None else None
+
+    def f(p, i):
         model = eqx.combine(cast_floating(p, ctx.precision.compute), ctx.lay.model_static)
-        s, n = model_loss_sums(model, tokens, seg, key=None, inference=True, plan=REFERENCE)
-        return s / jnp.maximum(n, 1.0)
+        s, _ = model_loss_sums(model, mtoks[i], mseg[i] if mseg is not None else None, key=None, inference=True,
+                               plan=REFERENCE, loss_mask=mmask[i] if mmask is not None else None)
+        return s / count
 
     return f
 
 
-def _train_step(ctx: _StepContext, state: TrainState, tokens, seg):
-    """One optimizer step on a global batch: (new state, metrics)."""
+def _train_step(ctx: _StepContext, state: TrainState, tokens, seg, lmask=None):
+    """One optimizer step on a global batch: (new state, metrics). ``lmask``: the batch's loss mask
+    (chat sources; the loss is averaged over the masked-in targets), or None."""
     params = state.model
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
     scale = loss_scale(state.opt_state)
-    loss_sum, count, grads = _accumulated_grads(ctx, params, tokens, seg, step_key, scale)
+    loss_sum, count, grads = _accumulated_grads(ctx, params, tokens, seg, step_key, scale, lmask)
     count = jnp.maximum(count, 1.0)
     denom = count * scale if ctx.scaling else count
     grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / denom), grads)
     loss = loss_sum / count
     grads = jax.lax.with_sharding_constraint(grads, ctx.lay.param_shardings)
-    extra = {"obj_fn": _objective(ctx, tokens, seg)} if ctx.objective else {}
+    extra = ({"obj_fn": _objective(ctx, tokens, seg, count, lmask), "obj_parts": ctx.accum,
+              "probe_key": jax.random.fold_in(step_key, HUTCHINSON_STREAM)} if ctx.objective else {})
     updates, opt_state = ctx.lay.tx.update(grads, state.opt_state, params, loss=loss, **extra)
     metrics = {
         "train/loss": loss,
@@ -287,21 +311,33 @@ def _train_step(ctx: _StepContext, state: TrainState, tokens, seg):
     return TrainState(state.step + 1, optax.apply_updates(params, updates), opt_state, state.key), metrics
 
 
-def _eval_step(ctx: _StepContext, state: TrainState, tokens, seg):
+def _eval_step(ctx: _StepContext, state: TrainState, tokens, seg, lmask=None):
     """(loss sum, predicted tokens) of the state's model (its weight average, when the optimizer keeps
     one) on a batch, no dropout, no gradients."""
     params = averaged_params(state.opt_state, state.model)
     model = eqx.combine(cast_floating(params, ctx.precision.compute), ctx.lay.model_static)
-    return model_loss_sums(model, tokens, seg, key=None, inference=True, plan=ctx.compute)
+    return model_loss_sums(model, tokens, seg, key=None, inference=True, plan=ctx.compute, loss_mask=lmask)
 
 
 # --- moving batches onto devices --------------------------------------------------------------
 
 
-def put_batch(batch: LmBatch, plan: MeshPlan) -> tuple[jax.Array, jax.Array | None]:
-    """Place this process's slice of a batch onto the mesh (multi-host safe): (tokens, segment ids)."""
-    tokens, segment_ids = device_put_batch(batch, plan.batch_sharding())
-    return tokens, segment_ids
+def put_batch(batch: LmBatch, plan: MeshPlan) -> tuple[jax.Array | None, ...]:
+    """Place this process's slice of a batch onto the mesh (multi-host safe): (tokens, segment ids),
+    and the loss mask third when the batch has one (a chat source's)."""
+    tokens, segment_ids, loss_mask = device_put_batch(batch, plan.batch_sharding())
+    return (tokens, segment_ids) if loss_mask is None else (tokens, segment_ids, loss_mask)
+
+
+def step_args(fns: StepFunctions, placed: tuple[jax.Array | None, ...]) -> tuple[jax.Array | None, ...]:
+    """:func:`put_batch`'s arrays as the step functions take them: with a None loss mask where
+    they take one and the batch has none (text rows of a run that also trains on chat)."""
+    if fns.loss_mask and len(placed) == 2:
+        return (*placed, None)
+    if not fns.loss_mask and len(placed) == 3:
+        raise ValueError("a batch with a loss mask (a chat source's) for step functions built without one "
+                         "(build_step_functions(..., has_loss_mask=True))")
+    return placed
 
 
 # --- evaluation -------------------------------------------------------------------------------
@@ -333,8 +369,7 @@ def evaluate_datasets(
             # Each process reads its own slice of the eval batch, like training.
             per = batch_size // jax.process_count()
             idx = idx[jax.process_index() * per : (jax.process_index() + 1) * per]
-            toks, seg = put_batch(ds.get_many(idx), plan)
-            s, c = fns.eval_step(state, toks, seg)
+            s, c = fns.eval_step(state, *step_args(fns, put_batch(ds.get_many(idx), plan)))
             total += float(s)
             count += float(c)
         out[name] = {"loss": total / max(count, 1.0), "tokens": count}
