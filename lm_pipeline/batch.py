@@ -41,10 +41,15 @@ class LmBatch(NamedTuple):
     segment_ids: int32 [B, T] or None. Positions with equal ids belong to the same document and
         attend only to each other; 0 marks padding (no loss, attends nowhere). None means plain
         concatenate-and-chunk: causal attention over the whole row, as in Levanter.
+    loss_mask: int [B, T] or None. A chat source's rows: 1 on the tokens the loss is taken on (the
+        assistant's), 0 elsewhere; position t is trained to predict token t+1 only where
+        ``loss_mask[t+1]`` is 1 (:func:`lm_pipeline.train.loss.next_token_targets`). None: every
+        token (text).
     """
 
     tokens: np.ndarray
     segment_ids: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
 
 
 class SequenceDataset(Protocol):
@@ -353,5 +358,5 @@ def device_put_batch(batch: LmBatch, sharding, global_rows: int | None = None) -
         shape = (global_rows, *x.shape[1:]) if global_rows else None
         return jax.make_array_from_process_local_data(sharding, x, shape)
 
-    return LmBatch(put(batch.tokens), put(batch.segment_ids))
+    return LmBatch(put(batch.tokens), put(batch.segment_ids), put(batch.loss_mask))
 

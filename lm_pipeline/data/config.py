@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from lm_pipeline.schema import ConfigError, ConfigProblems, field, raise_problems
 
-__all__ = ["ConfigProblems", "DataConfig", "SourceConfig", "TokenizerConfig", "raise_problems"]
+__all__ = ["ChatFormatConfig", "ConfigProblems", "DataConfig", "SourceConfig", "TokenizerConfig", "raise_problems"]
 
 #: Name of the validation set fed by ``validation_urls`` / ``hf_validation_split`` / a builtin.
 DEFAULT_VALIDATION_SET = "validation"
@@ -68,6 +68,37 @@ class TokenizerConfig:
             raise ConfigError("max_train_chars", "must be >= 1 (or null for no limit)")
 
 
+#: Keys of Levanter's chat format (``format: {type: chat, ...}``).
+CHAT_FORMAT_KEYS = ("messages_field", "chat_template", "single_turn", "pack", "mask_user_turns")
+
+
+@dataclass(frozen=True)
+class ChatFormatConfig:
+    """A chat-formatted source (Levanter's ``format: {type: chat}``): each record holds a
+    conversation, rendered through a chat template; the loss is taken on the assistant's tokens.
+    See own-data.md#chat-formatted-sources."""
+
+    messages_field: str = field("messages", help="Key of the record's list of messages ({role, content}).")
+    chat_template: str | None = field(None, help="The Jinja chat template (transformers' format); the assistant's text marked with {% generation %}...{% endgeneration %} for mask_user_turns. null = the tokenizer's own (tokenizer_config.json's chat_template, or chat_template.jinja in its directory); a BPE trained here has none.")
+    single_turn: bool = field(False, help="Train on the first user message and the first assistant reply only, as prompt + reply text without a template (Levanter's single-turn chat); the loss on the reply.")
+    pack: bool = field(True, help="Pack whole conversations into rows (greedy, segment ids keep them apart); false: one conversation per row, padded. A conversation longer than seq_len is split into seq_len pieces either way.")
+    mask_user_turns: bool = field(True, help="Take the loss on the assistant's tokens only (true), or on every token of the conversation (false).")
+
+    def validate(self) -> None:
+        if not self.messages_field:
+            raise ConfigError("messages_field", "must not be empty (the key of the record's list of messages)")
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ConfigError("chat_template", "is empty: give a Jinja chat template, or null for the tokenizer's own")
+        if self.single_turn and self.chat_template is not None:
+            raise ConfigError("chat_template", "single_turn renders no template (prompt + reply as text): remove "
+                              "chat_template or set single_turn: false")
+        if (self.chat_template is not None and self.mask_user_turns and not self.single_turn
+                and not re.search(r"\{%-?\s*generation\s*-?%\}", self.chat_template)):
+            raise ConfigError("chat_template", "has no {% generation %} block, so the assistant's tokens cannot be "
+                              "told apart: wrap the assistant's content in {% generation %}...{% endgeneration %}, "
+                              "or set mask_user_turns: false to train on every token")
+
+
 @dataclass(frozen=True)
 class SourceConfig:
     """One source of text (the data section's own, or a mixture component's): files, a Hugging
@@ -79,6 +110,7 @@ class SourceConfig:
     validation: dict[str, tuple[str, ...]] = field(default_factory=dict, help="Named validation sets: {name: [urls]}, each evaluated and reported on its own.")
     format: Literal["auto", "jsonl", "json", "text", "parquet"] = field("auto", help="Shard format; 'auto' picks it from the file extension (.jsonl/.ndjson, .json, .txt/.md, .parquet; then .gz/.zst).")
     text_key: str = field("text", help="Key of the text field in JSON/JSONL/Parquet/Hugging Face records.", aliases=("text_column",))
+    chat: ChatFormatConfig | None = field(None, help="A chat-formatted source (Levanter's `format: {type: chat, ...}` is this): records hold conversations under chat.messages_field, rendered with the chat template into tokens and a loss mask (the loss on the assistant's turns). null = text records. See own-data.md#chat-formatted-sources.", hashed_at_default=False)
     json_records_key: str | None = field(None, help="JSON files holding an object: the key of its list of records (null = the object's only list, or the object itself as one record).")
     text_unit: Literal["file", "paragraph", "line"] = field("file", help="Plain-text files: one document per file, per blank-line-separated paragraph, or per non-blank line.")
     # --- Hugging Face datasets -------------------------------------------------------------
@@ -135,6 +167,12 @@ class SourceConfig:
             out.append(ConfigError("min_length", "must be >= 0"))
         if not self.text_key:
             out.append(ConfigError("text_key", "must not be empty"))
+        if self.chat is not None and self.format == "text":
+            out.append(ConfigError("format", "is 'text' (plain text files), but a chat source reads records with a "
+                                   "list of messages: use jsonl, json, parquet or a Hugging Face dataset"))
+        if self.chat is not None and self.builtin is not None:
+            out.append(ConfigError("builtin", "is a text corpus: a chat source reads records with a list of messages "
+                                   "(train_urls or id)"))
         sources = self.train_sources()
         if len(sources) > 1:
             out.append(ConfigError(sources[1], f"only one training source may be set, but {' and '.join(sources)} are; remove all but one"))
@@ -166,15 +204,26 @@ class SourceConfig:
 
 def _levanter_format(data: dict[str, Any]) -> None:
     """Levanter's dataset formats (``format: {type: ...}``): ``text`` (records with a text field)
-    is the text records read here; ``chat`` and ``supervised`` are refused in one line."""
+    is the text records read here; ``chat`` is ``chat: {...}`` (:class:`ChatFormatConfig`, its
+    keys checked here, each problem naming ``format.<key>``); ``supervised`` is refused in one line."""
+    from lm_pipeline.schema import from_dict
+
     fmt = dict(data.pop("format"))
     kind = fmt.pop("type", "text")
     if kind == "text" and set(fmt) <= {"text_key"}:
         if "text_key" in fmt:
             data["text_key"] = fmt["text_key"]
         return
-    what = {"chat": "conversations rendered through the tokenizer's chat template, the loss on the assistant's turns",
-            "supervised": "input/output pairs, the loss on the output"}.get(kind)
+    if kind == "chat":
+        unknown = [k for k in fmt if k not in CHAT_FORMAT_KEYS]
+        if unknown:
+            raise ConfigError(f"format.{unknown[0]}", f"is not a key of Levanter's chat format; its keys are "
+                              f"{', '.join(CHAT_FORMAT_KEYS)}")
+        if "chat" in data:
+            raise ConfigError("format", "a chat format given twice (format: {type: chat} and chat:); keep one")
+        data["chat"] = from_dict(ChatFormatConfig, fmt, "format")
+        return
+    what = {"supervised": "input/output pairs, the loss on the output"}.get(kind)
     if what is None:
         raise ConfigError("format", f"a mapping is Levanter's format: {{type: text, text_key: ...}} is accepted, got "
                           f"{ {'type': kind, **fmt} }; or give one of 'auto', 'jsonl', 'json', 'text', 'parquet'")
@@ -299,7 +348,24 @@ class DataConfig(SourceConfig):
             problems.append(ConfigError("shard_group_size", "must be >= 1"))
         if self.era_length < 1:
             problems.append(ConfigError("era_length", "must be >= 1"))
-        raise_problems(problems + self.mixture_problems())
+        raise_problems(problems + self.mixture_problems() + self.chat_problems())
+
+    def chat_sources(self) -> dict[str, SourceConfig]:
+        """The chat-formatted sources: {config path prefix ('' or 'configs.<name>.'): source}."""
+        out: dict[str, SourceConfig] = {"": self} if self.chat is not None else {}
+        out.update({f"configs.{name}.": comp for name, comp in self.configs.items() if comp.chat is not None})
+        return out
+
+    def chat_problems(self) -> list[ConfigError]:
+        """A chat source that would render with no template: the BPE trained here has none."""
+        out = []
+        for where, src in self.chat_sources().items():
+            if self.tokenizer.kind == "bpe" and src.chat.chat_template is None and not src.chat.single_turn:
+                out.append(ConfigError(f"{where}chat.chat_template", "is needed: the BPE tokenizer trained here "
+                                       "(tokenizer.kind: bpe) has no chat template; set format.chat_template (a Jinja "
+                                       "template, {% generation %} around the assistant's content) or use a "
+                                       "tokenizer whose tokenizer_config.json has a chat_template"))
+        return out
 
     def mixture_problems(self) -> list[ConfigError]:
         """Every problem of the mixture fields (``configs``, ``train_weights``, ``stop_strategy``,

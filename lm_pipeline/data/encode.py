@@ -47,11 +47,13 @@ class Shard(Protocol):
 
 
 class EncodedShard(NamedTuple):
-    """One shard, tokenized: concatenated ids, per-document token counts and UTF-8 byte counts."""
+    """One shard, tokenized: concatenated ids, per-document token counts and UTF-8 byte counts;
+    for a chat source also the per-token loss mask (uint8, 1 = trained on; see :mod:`.chat`)."""
 
     tokens: np.ndarray  # uint32 [num_tokens]
     doc_lengths: np.ndarray  # int64 [num_docs]
     doc_bytes: np.ndarray  # int64 [num_docs]
+    loss_mask: np.ndarray | None = None  # uint8 [num_tokens] (chat sources only)
 
 
 def _token_string(value: Any) -> str | None:
@@ -158,16 +160,40 @@ class DocumentEncoder:
     """Encodes documents the cache's way (see the module docstring)."""
 
     def __init__(self, tokenizer_dir: str, info: TokenizerInfo | None = None, *, part_docs: int | None = None,
-                 part_chars: int | None = None):
+                 part_chars: int | None = None, chat: Any = None):
         self.part_docs = part_docs or PART_DOCS
         self.part_chars = part_chars or PART_CHARS
         self.tok = load_tokenizer(tokenizer_dir)
         self.info = info or tokenizer_info(tokenizer_dir, self.tok)
         fast = getattr(self.tok, "encode_batch_fast", None)  # skips offsets; tokenizers >= 0.21
         self._encode_batch = fast if fast is not None else self.tok.encode_batch
+        self.chat = None
+        if chat is not None:  # a chat source: records are conversations (lm_pipeline.data.chat)
+            from lm_pipeline.data.chat import ChatRenderer
+
+            self.chat = ChatRenderer(tokenizer_dir, chat, self.tok, self.info)
+
+    def _encode_chats(self, texts: list[str]) -> EncodedShard:
+        ids, masks, nbytes = [], [], []
+        for k, text in enumerate(texts):
+            try:
+                i, m, b = self.chat.encode(text)
+            except Exception as e:
+                raise ValueError(f"conversation {text[:80]!r}{'...' if len(text) > 80 else ''}: {e}") from e
+            ids.append(i)
+            masks.append(m)
+            nbytes.append(b)
+        lens = np.fromiter(map(len, ids), np.int64, len(ids))
+        flat = np.fromiter(chain.from_iterable(ids), TOKEN_DTYPE, int(lens.sum()))
+        from lm_pipeline.data.chat import MASK_DTYPE
+
+        mask = np.concatenate(masks).astype(MASK_DTYPE) if masks else np.zeros(0, MASK_DTYPE)
+        return EncodedShard(flat, lens, np.asarray(nbytes, np.int64), mask)
 
     def encode_texts(self, texts: list[str]) -> EncodedShard:
         """Encode one batch of documents."""
+        if self.chat is not None:
+            return self._encode_chats(texts)
         if not texts:
             return EncodedShard(np.zeros(0, TOKEN_DTYPE), np.zeros(0, np.int64), np.zeros(0, np.int64))
         ids = [e.ids for e in self._encode_batch(texts, add_special_tokens=True)]
@@ -230,14 +256,16 @@ def concat_parts(parts: list[EncodedShard]) -> EncodedShard:
     """The parts of one stream joined into one."""
     if len(parts) == 1:
         return parts[0]
-    return EncodedShard(*(np.concatenate(p) for p in zip(*parts, strict=True)))
+    if any(p.loss_mask is not None for p in parts):
+        return EncodedShard(*(np.concatenate(p) for p in zip(*parts, strict=True)))
+    return EncodedShard(*(np.concatenate(p) for p in zip(*(p[:3] for p in parts), strict=True)))
 
 
 # --- worker-process side ---------------------------------------------------------------------
 
 
 def worker_main(tokenizer_dir: str, info: TokenizerInfo, tasks: Any, results: Any,
-                part_docs: int | None = None, part_chars: int | None = None) -> None:
+                part_docs: int | None = None, part_chars: int | None = None, chat: Any = None) -> None:
     """A tokenizer worker process (see :mod:`lm_pipeline.data.cache.build`).
 
     Takes ``(index, shard)`` tasks from ``tasks`` until ``None``; for each, puts ``(index,
@@ -250,7 +278,7 @@ def worker_main(tokenizer_dir: str, info: TokenizerInfo, tasks: Any, results: An
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     index = -1
     try:
-        encoder = DocumentEncoder(tokenizer_dir, info, part_docs=part_docs, part_chars=part_chars)
+        encoder = DocumentEncoder(tokenizer_dir, info, part_docs=part_docs, part_chars=part_chars, chat=chat)
         while (task := tasks.get()) is not None:
             index, shard = task
             for part in encoder.iter_shard(shard):

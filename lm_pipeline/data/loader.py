@@ -66,7 +66,10 @@ class CacheDataset:
         cache: an open :class:`TokenCache` (complete), or its location.
         seq_len: row length.
         packing: ``concat``, ``greedy`` or ``first_fit`` (see :mod:`lm_pipeline.data.packing`);
-            the layout is loaded from beside the cache, or derived and stored there.
+            the layout is loaded from beside the cache, or derived and stored there. A chat
+            source's cache packs its own way, whatever is given: whole conversations, ``greedy``
+            (``pack: true``) or one per row (``single``, ``pack: false``); its batches carry the
+            loss mask (:attr:`LmBatch.loss_mask`).
         pad_id: token id of padding positions (greedy/first_fit); default: the cache's EOS.
     """
 
@@ -83,12 +86,25 @@ class CacheDataset:
             cache = open_cache(cache)
         self.cache = cache
         self.seq_len = int(seq_len)
+        if cache.chat is not None:  # conversations are never cut and concatenated
+            packing = "greedy" if cache.chat.get("pack", True) else "single"
         self.packing = packing
         self.layout = layout if layout is not None else open_packing(cache, self.seq_len, packing)
         if (self.layout.strategy, self.layout.seq_len) != (packing, self.seq_len):
             raise ValueError(f"layout is {self.layout.strategy}-{self.layout.seq_len}, not {packing}-{seq_len}")
         self.pad_id = cache.eos_id if pad_id is None else int(pad_id)
         self._tokens = cache.tokens
+        self._mask = cache.array("loss_mask") if cache.has_loss_mask else None
+
+    @property
+    def has_segments(self) -> bool:
+        """Whether batches carry segment ids (every packing but ``concat``)."""
+        return self.packing != "concat"
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """Whether batches carry a loss mask (a chat source's cache)."""
+        return self._mask is not None
 
     def __len__(self) -> int:
         return self.layout.num_rows
@@ -106,11 +122,12 @@ class CacheDataset:
         """The cache's text bytes per token (EOS and other added tokens included)."""
         return self.cache.num_bytes / max(1, self.cache.num_tokens)
 
-    def read_runs(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Concatenation of ``tokens[s:s + n]`` for each run; all reads issued as one TensorStore batch."""
+    def read_runs(self, starts: np.ndarray, lengths: np.ndarray, array: Any = None) -> np.ndarray:
+        """Concatenation of ``tokens[s:s + n]`` for each run (of ``array`` instead when given: the
+        loss mask); all reads issued as one TensorStore batch."""
         if len(starts) == 0:
             return np.zeros(0, np.uint32)
-        tokens = self._tokens
+        tokens = self._tokens if array is None else array
         with ts.Batch() as batch:
             futures = [tokens[s : s + n].read(batch=batch) for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
         parts = [f.result() for f in futures]
@@ -122,9 +139,14 @@ class CacheDataset:
         n, T = len(plan.row_len), self.seq_len
         if plan.segment_ids is None:  # concat: full rows
             return LmBatch(values.reshape(n, T).astype(np.int32), None)
+        filled = np.arange(T) < plan.row_len[:, None]
         tokens = np.full((n, T), self.pad_id, np.int32)
-        tokens[np.arange(T) < plan.row_len[:, None]] = values
-        return LmBatch(tokens, plan.segment_ids)
+        tokens[filled] = values
+        if self._mask is None:
+            return LmBatch(tokens, plan.segment_ids)
+        mask = np.zeros((n, T), np.int32)  # padding is never trained on
+        mask[filled] = self.read_runs(plan.run_start, plan.run_len, self._mask)
+        return LmBatch(tokens, plan.segment_ids, mask)
 
 
 #: How long a reader waits for a cache under construction to commit more rows before it decides

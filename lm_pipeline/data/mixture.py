@@ -331,23 +331,49 @@ class MixtureBatchSource:
         start = step * self.batch_size + self.process_index * self.local_batch_size
         return self.rows_at(np.arange(start, start + self.local_batch_size, dtype=np.int64))
 
+    def _mixed_kinds(self) -> tuple[bool, bool]:
+        """(segment ids, loss mask): whether every batch carries them because some component's
+        rows do while others' do not (a chat component, packed whole with a loss mask, beside
+        concat text). Datasets that do not say (no ``has_segments``/``has_loss_mask``) never mix."""
+        def says(name: str) -> list[bool]:
+            return [bool(getattr(d, name)) for d in self.datasets if hasattr(d, name)]
+
+        seg, mask = says("has_segments"), says("has_loss_mask")
+        return any(seg) and not all(seg), any(mask) and not all(mask)
+
     def batch(self, step: int) -> LmBatch:
-        """This process's slice of the global batch for ``step`` (reads only those rows)."""
+        """This process's slice of the global batch for ``step`` (reads only those rows).
+
+        When components differ (chat rows beside concat text rows), rows without segment ids get
+        one segment over the whole row (the same causal attention and targets as none), rows
+        without a loss mask a mask of ones (every token trained on), so every batch has one shape."""
         component, rows = self.local_rows(step)
-        tokens = segments = None
+        fill_seg, fill_mask = self._mixed_kinds()
+        tokens = segments = masks = None
         for c in np.unique(component).tolist():
             sel = np.flatnonzero(component == c)
             part = self.datasets[c].get_many(rows[sel])
+            seg, mask = part.segment_ids, part.loss_mask
+            if fill_seg and seg is None:
+                seg = np.ones(part.tokens.shape, np.int32)
+            if fill_mask and mask is None:
+                mask = np.ones(part.tokens.shape, np.int32)
             if tokens is None:
                 tokens = np.empty((len(rows), *part.tokens.shape[1:]), part.tokens.dtype)
-                if part.segment_ids is not None:
-                    segments = np.empty((len(rows), *part.segment_ids.shape[1:]), part.segment_ids.dtype)
-            if (part.segment_ids is None) != (segments is None):
+                if seg is not None:
+                    segments = np.empty((len(rows), *seg.shape[1:]), np.int32)
+                if mask is not None:
+                    masks = np.empty((len(rows), *mask.shape[1:]), np.int32)
+            if (seg is None) != (segments is None):
                 raise ValueError("the components differ in packing: some rows have segment ids, some not")
+            if (mask is None) != (masks is None):
+                raise ValueError("the components differ in loss masks: some rows have one, some not")
             tokens[sel] = part.tokens
             if segments is not None:
-                segments[sel] = part.segment_ids
-        return LmBatch(tokens, segments)
+                segments[sel] = seg
+            if masks is not None:
+                masks[sel] = mask
+        return LmBatch(tokens, segments, masks)
 
 
 def mixture_source(cfg: DataConfig, datasets: Mapping[str, SequenceDataset], batch_size: int, seed: int, *,

@@ -27,6 +27,8 @@ Strategies:
 ``first_fit``
     Whole documents in cache order, each into the first (lowest-numbered) row with room for it
     (O(log rows) per document with a max segment tree); denser than ``greedy``.
+``single``
+    One document per row, padded (a chat source's ``pack: false``; not a ``data.packing`` value).
 
 For ``greedy`` and ``first_fit`` a document longer than ``seq_len`` is first split into pieces
 of ``seq_len`` tokens plus a remainder; every piece is placed exactly once. Rows are padded to
@@ -57,8 +59,8 @@ __all__ = [
     "split_pieces",
 ]
 
-Strategy = Literal["concat", "greedy", "first_fit"]
-STRATEGIES: tuple[str, ...] = ("concat", "greedy", "first_fit")
+Strategy = Literal["concat", "greedy", "first_fit", "single"]
+STRATEGIES: tuple[str, ...] = ("concat", "greedy", "first_fit", "single")
 LAYOUT_VERSION = 2  # 2: one .npy file per array (1: layout.npz)
 
 
@@ -177,6 +179,9 @@ def pack_documents(doc_offsets: np.ndarray, seq_len: int, strategy: str) -> dict
     if strategy == "greedy":
         return _greedy(doc_offsets, seq_len)
     piece_start, piece_len = split_pieces(doc_offsets, seq_len)
+    if strategy == "single":  # every piece its own row
+        return {"row_ptr": np.arange(len(piece_len) + 1, dtype=np.int64), "piece_start": piece_start,
+                "piece_len": piece_len.astype(np.int32)}
     row_of = _first_fit(piece_len.tolist(), seq_len)
     order = np.argsort(row_of, kind="stable")  # by row, placement order within a row
     piece_start, piece_len = piece_start[order], piece_len[order]

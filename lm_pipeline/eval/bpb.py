@@ -60,6 +60,10 @@ class ByteCounter:
         if cache is not None and hasattr(ds, "layout") and hasattr(cache, "doc_bytes"):
             offsets = np.asarray(cache.doc_offsets, np.int64)
             lengths = np.diff(offsets)
+            if getattr(cache, "has_loss_mask", False):  # a chat document's bytes are its masked-in tokens'
+                mask = np.asarray(cache.read_loss_mask(0, cache.num_tokens), np.int64)
+                lengths = np.add.reduceat(mask, offsets[:-1]) if len(lengths) and len(mask) else lengths * 0
+                lengths[np.diff(offsets) == 0] = 0
             self.offsets = offsets
             self.bpt = np.asarray(cache.doc_bytes, np.float64) / np.maximum(lengths, 1)
             self.kind = "documents"
@@ -84,7 +88,10 @@ def target_byte_weights(ds: SequenceDataset, rows: Sequence[int]) -> np.ndarray 
     exactly the document's UTF-8 byte count."""
     rows = np.asarray(rows, np.int64)
     batch = ds.get_many(rows)
-    return ByteCounter(ds).weights(rows, target_mask(batch.tokens, batch.segment_ids))
+    mask = target_mask(batch.tokens, batch.segment_ids)
+    if batch.loss_mask is not None:
+        mask *= np.asarray(batch.loss_mask)[:, 1:] != 0
+    return ByteCounter(ds).weights(rows, mask)
 
 
 def target_mask(tokens: np.ndarray, segment_ids: np.ndarray | None) -> np.ndarray:

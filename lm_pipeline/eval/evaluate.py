@@ -147,6 +147,8 @@ def _evaluate_set(
         seg_ids = None if seg is None else jnp.asarray(seg)
         nll = np.asarray(_token_nll(model, jnp.asarray(toks), seg_ids, plan), np.float64)
         mask = target_mask(toks, seg)
+        if batch.loss_mask is not None:  # a chat source's: only the assistant's tokens are predicted targets
+            mask *= np.asarray(batch.loss_mask)[:, 1:] != 0
         mask[real:] = 0.0
         nats += float((nll * mask).sum())
         tokens += int(mask.sum())

@@ -122,15 +122,17 @@ def token_cache(ctx: BuildContext, inputs: Inputs) -> StageResult:
 
     def write(path: str):
         from lm_pipeline.data.cache import build_cache
+        from lm_pipeline.data.chat import source_chat
 
         data = ctx.cfg.data
+        chat = source_chat(data, tok.path)  # a chat source: conversations rendered, a loss mask kept
         all_shards = ctx.shards()
         built = {}
         # The validation sets first (small): a run that trains while the cache builds
         # (data.shuffle: era) evaluates them whole, and reads the training split as it grows.
         for split in sorted(all_shards, key=lambda name: name == "train"):
             ledger = build_cache(f"{path}/{split}", all_shards[split], tok.path, num_workers=data.num_workers,
-                                 shard_group_size=data.shard_group_size, progress=ctx.progress)
+                                 shard_group_size=data.shard_group_size, progress=ctx.progress, chat=chat)
             built[split] = ledger_counts(ledger)
         return cache_summary({split: built[split] for split in all_shards}), {"tokenizer_path": tok.path,
                                                                               "built_by": "single"}
@@ -185,6 +187,10 @@ def train_while_caching(ctx: BuildContext, inputs: Inputs) -> bool:
         return False
     if ctx.components():
         log.info("data.shuffle: era with a mixture: building the components' token caches before training")
+        return False
+    if cfg.data.chat is not None:
+        log.info("data.shuffle: era with a chat source: building the token cache first (conversations are packed "
+                 "whole, from the whole cache)")
         return False
     if cfg.data.packing != "concat":
         log.warning("data.shuffle: era trains while the token cache builds with data.packing: concat only "

@@ -77,8 +77,10 @@ def build_part(pipe: Pipeline, group: CacheGroup) -> dict[str, Any]:
     shards = _group_shards(pipe, group)
     t0 = time.perf_counter()
     with pipe.store.lock(Artifact("token_cache", f"{fp}-part-{group.key}", part_dir)):
+        from lm_pipeline.data.chat import source_chat
+
         ledger = build_cache(part_dir, shards, tok.path, num_workers=1, shard_group_size=max(len(shards), 1),
-                             progress=False, overwrite=True)
+                             progress=False, overwrite=True, chat=source_chat(pipe.cfg.data, tok.path))
     return {"group": group.key, "path": part_dir, **ledger_counts(ledger), "seconds": round(time.perf_counter() - t0, 3)}
 
 
@@ -98,7 +100,10 @@ def commit(pipe: Pipeline, built: Sequence[Mapping[str, Any]] = ()) -> StageResu
             for group in (g for g in all_groups if g.split == split):
                 info = build_part(pipe, group)  # a hit on the part's ledger if already built
                 parts.append((_group_shards(pipe, group), info["path"]))
-            splits[split] = ledger_counts(merge_cache_parts(f"{path}/{split}", parts, tok.path))
+            from lm_pipeline.data.chat import source_chat
+
+            chat = source_chat(pipe.cfg.data, tok.path)
+            splits[split] = ledger_counts(merge_cache_parts(f"{path}/{split}", parts, tok.path, chat=chat))
         return cache_summary(splits), {"tokenizer_path": tok.path, "built_by": "fan-out",
                                        "groups": len(all_groups), "parts_built": len(built)}
 

@@ -46,6 +46,7 @@ from lm_pipeline.train.trainer import (
     device_peak_flops,
     evaluate_datasets,
     put_batch,
+    step_args,
 )
 from lm_pipeline.xla_cache import enable as enable_xla_cache
 
@@ -156,9 +157,9 @@ def train(
     batches = Prefetcher(run.source, start, num_steps=num_steps - start, depth=2, put=lambda b: put_batch(b, run.plan))
     fns = run.fns
     try:
-        for step, (toks, seg) in batches:
+        for step, batch in batches:
             with run.plan.mesh:
-                state, metrics = fns.train_step_for(run.schedule.batch_size_at(step))(state, toks, seg)
+                state, metrics = fns.train_step_for(run.schedule.batch_size_at(step))(state, *step_args(fns, batch))
             done = step + 1
             faultpoint("train.after_step")
             meter.after_step(step, metrics)
@@ -210,12 +211,15 @@ def _prepare(cfg: RunConfig, train_data: SequenceDataset | Mapping[str, Sequence
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every internal step at INFO
     log.info("run %s: %d steps, batch %s x %d tokens, %d devices (data %d x model %d)",
              run_id, num_steps, tc.train_batch_size if isinstance(tc.train_batch_size, int) else tc.batch_schedule, seq_len, jax.device_count(), plan.data_size, plan.model_size)
-    has_segments = source.batch(0).segment_ids is not None
+    first = source.batch(0)
+    has_segments = first.segment_ids is not None
+    # a chat source's loss mask: its rows train on the assistant's tokens only (lm_pipeline.data.chat)
+    has_loss_mask = first.loss_mask is not None or bool(getattr(cfg.data, "chat_sources", dict)())
     vocab_size = model_vocab_size(cfg, vocab_size)  # a Hugging Face start keeps its padded vocabulary
     if tc.per_device_parallelism == "auto":
         cfg = resolve_auto_parallelism(cfg, jax.device_count(), vocab_size, segments=has_segments)
     fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=vocab_size, num_train_steps=num_steps,
-                               plan=plan, has_segments=has_segments)
+                               plan=plan, has_segments=has_segments, has_loss_mask=has_loss_mask)
     checkpointer = _FiniteStateCheckpointer(cfg.trainer.checkpointer, base_path_override=run_dir)
     return _Run(cfg, plan, num_steps, run_id, run_dir, source, fns, checkpointer, vocab_size)
 

@@ -57,15 +57,16 @@ _POLL_S = 1.0
 PartStream = Iterator[tuple[int, EncodedShard | None]]
 
 
-def _local_parts(shards: Sequence[Shard], tokenizer_dir: str, info: TokenizerInfo) -> PartStream:
-    encoder = DocumentEncoder(tokenizer_dir, info, part_docs=encode.PART_DOCS, part_chars=encode.PART_CHARS)
+def _local_parts(shards: Sequence[Shard], tokenizer_dir: str, info: TokenizerInfo, chat: Any = None) -> PartStream:
+    encoder = DocumentEncoder(tokenizer_dir, info, part_docs=encode.PART_DOCS, part_chars=encode.PART_CHARS, chat=chat)
     for i, shard in enumerate(shards):
         for part in encoder.iter_shard(shard):
             yield i, part
         yield i, None
 
 
-def _worker_parts(shards: Sequence[Shard], workers: int, tokenizer_dir: str, info: TokenizerInfo) -> PartStream:
+def _worker_parts(shards: Sequence[Shard], workers: int, tokenizer_dir: str, info: TokenizerInfo,
+                  chat: Any = None) -> PartStream:
     """The shards' parts, tokenized by ``workers`` processes, in shard order.
 
     Shard ``i`` goes to worker ``i % workers``, which streams its parts through its own queue of
@@ -77,7 +78,7 @@ def _worker_parts(shards: Sequence[Shard], workers: int, tokenizer_dir: str, inf
     tasks = [ctx.Queue() for _ in range(workers)]
     results = [ctx.Queue(PARTS_AHEAD) for _ in range(workers)]
     args = (tokenizer_dir, info)
-    limits = (encode.PART_DOCS, encode.PART_CHARS)
+    limits = (encode.PART_DOCS, encode.PART_CHARS, chat)
     procs = [ctx.Process(target=worker_main, args=(*args, tasks[w], results[w], *limits), daemon=True,
                          name=f"lm_pipeline-tokenizer-{w}") for w in range(workers)]
     try:
@@ -140,6 +141,7 @@ def build_cache(
     shard_group_size: int = 8,
     progress: bool = True,
     overwrite: bool = False,
+    chat: Any = None,
 ) -> dict[str, Any]:
     """Tokenize ``shards`` into a token cache at ``out_dir``; return the final ledger.
 
@@ -155,6 +157,9 @@ def build_cache(
         progress: show a progress bar.
         overwrite: replace an existing cache that was built from other inputs (by default that
             raises :class:`CacheMismatchError`).
+        chat: a chat source's :class:`~lm_pipeline.data.chat.ChatSettings`: each shard's texts
+            are conversations (their messages' JSON), rendered into ids and a loss mask stored
+            beside them (``loss_mask/``); the ledger's ``settings.chat`` records the settings.
 
     Idempotent: a complete cache with the same inputs is returned untouched; an interrupted one
     is resumed from its last committed group.
@@ -167,10 +172,11 @@ def build_cache(
     root = CacheRoot(out_dir)
     info = tokenizer_info(tokenizer_dir)
     plan = shard_plan(shards)
+    chat_ledger = chat.ledger() if chat is not None else None
     with root.build_lock():
         ledger = root.read_json(LEDGER)
         if ledger is not None:
-            problem = incompatibility(ledger, info, plan)
+            problem = incompatibility(ledger, info, plan, chat_ledger)
             if problem and not overwrite:
                 raise CacheMismatchError(
                     f"{root}: the existing token cache does not match this build: {problem}. "
@@ -182,10 +188,10 @@ def build_cache(
             elif ledger["complete"] and root.exists(COMPLETE):
                 return ledger
         if ledger is None:
-            ledger, arrays = start_cache(root, info, plan)
+            ledger, arrays = start_cache(root, info, plan, chat_ledger)
         else:
-            arrays = open_arrays(root)
-        _build(root, ledger, arrays, shards, tokenizer_dir, info, workers, shard_group_size, progress)
+            arrays = open_arrays(root, chat=chat is not None)
+        _build(root, ledger, arrays, shards, tokenizer_dir, info, workers, shard_group_size, progress, chat)
         finalize_cache(root, ledger, arrays)
     return ledger
 
@@ -200,6 +206,7 @@ def _build(
     workers: int,
     group_size: int,
     progress: bool,
+    chat: Any = None,
 ) -> None:
     """Tokenize the shards past the ledger's committed ones and commit them in groups."""
     done = ledger["committed"]["shards"]
@@ -210,9 +217,9 @@ def _build(
         log.info("%s: resuming the token cache build at shard %d of %d", root, done, len(shards))
     workers = min(workers, len(todo))
     if workers <= 1:
-        parts = _local_parts(todo, tokenizer_dir, info)
+        parts = _local_parts(todo, tokenizer_dir, info, chat)
     else:
-        parts = _worker_parts(todo, workers, tokenizer_dir, info)
+        parts = _worker_parts(todo, workers, tokenizer_dir, info, chat)
     committer = Committer(root, ledger, arrays)
     from tqdm.auto import tqdm
 

@@ -39,13 +39,14 @@ def shard_plan(shards: Sequence[Shard]) -> dict[str, Any]:
     return {"num_shards": len(shards), "fingerprint": h.hexdigest()}
 
 
-def new_ledger(info: TokenizerInfo, plan: dict[str, Any]) -> dict[str, Any]:
-    """The ledger of an empty cache for tokenizer ``info`` and shard ``plan``."""
+def new_ledger(info: TokenizerInfo, plan: dict[str, Any], chat: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ledger of an empty cache for tokenizer ``info`` and shard ``plan`` (``chat``: a chat
+    source's settings, kept as ``settings.chat``; a text cache's ledger has no such key)."""
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "tokenizer": {"fingerprint": info.fingerprint},
-        "settings": info.settings(),
+        "settings": {**info.settings(), **({"chat": chat} if chat else {})},
         "plan": plan,
         "committed": {"shards": 0, "docs": 0, "tokens": 0, "bytes": 0},
         "shards": [],
@@ -72,11 +73,16 @@ def settings_problem(ledger: Mapping[str, Any], settings: Mapping[str, Any]) -> 
     return "settings differ (" + "; ".join(diffs) + ")" if diffs else None
 
 
-def incompatibility(ledger: Mapping[str, Any], info: TokenizerInfo, plan: Mapping[str, Any]) -> str | None:
-    """Why a cache with ``ledger`` is not the one tokenizer ``info`` builds from ``plan``, or None."""
+def incompatibility(ledger: Mapping[str, Any], info: TokenizerInfo, plan: Mapping[str, Any],
+                    chat: Mapping[str, Any] | None = None) -> str | None:
+    """Why a cache with ``ledger`` is not the one tokenizer ``info`` builds from ``plan`` (a chat
+    source's with settings ``chat``), or None."""
     problem = format_problem(ledger)
     if problem:
         return problem
+    have_chat = ledger.get("settings", {}).get("chat")
+    if (have_chat or None) != (dict(chat) if chat else None):
+        return f"chat settings differ (cache has {have_chat!r}, expected {dict(chat) if chat else None!r})"
     have = ledger["tokenizer"]["fingerprint"]
     if have != info.fingerprint:
         return f"built with tokenizer {have[:16]}…, not {info.fingerprint[:16]}… ({info.path})"

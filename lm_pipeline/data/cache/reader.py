@@ -95,7 +95,8 @@ class TokenCache:
         """The TensorStore array ``name``, restricted to the committed extent."""
         arr = self._arrays.get(name)
         if arr is None:
-            n = {"tokens": self.num_tokens, "doc_offsets": self.num_docs + 1, "doc_bytes": self.num_docs}[name]
+            n = {"tokens": self.num_tokens, "loss_mask": self.num_tokens, "doc_offsets": self.num_docs + 1,
+                 "doc_bytes": self.num_docs}[name]
             arr = open_array(self._root, name)[:n]
             self._arrays[name] = arr
         return arr
@@ -124,6 +125,21 @@ class TokenCache:
 
     def read_tokens(self, start: int, stop: int) -> np.ndarray:
         return self.tokens[start:stop].read().result()
+
+    # a chat source's cache (lm_pipeline.data.chat)
+    @property
+    def chat(self) -> dict[str, Any] | None:
+        """The chat settings the cache was built with (``settings.chat``); None for text."""
+        return self.settings.get("chat")
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """Whether the cache holds a per-token loss mask (a chat source's cache)."""
+        return self.chat is not None
+
+    def read_loss_mask(self, start: int, stop: int) -> np.ndarray:
+        """uint8 loss mask of tokens ``start:stop`` (1 = trained on); a chat cache only."""
+        return self.array("loss_mask")[start:stop].read().result()
 
     def doc(self, i: int) -> np.ndarray:
         off = self.doc_offsets

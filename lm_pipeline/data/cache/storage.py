@@ -22,6 +22,7 @@ __all__ = [
     "KNOWN_ENTRIES",
     "LEDGER",
     "LOCK",
+    "LOSS_MASK",
     "PACKING_DIR",
     "CacheRoot",
     "create_array",
@@ -42,8 +43,11 @@ ARRAYS: dict[str, tuple[str, int, int]] = {
     "doc_offsets": ("int64", 1 << 17, 1 << 12),
     "doc_bytes": ("int64", 1 << 17, 1 << 12),
 }
+# A chat source's cache also holds the per-token loss mask (1 = trained on), beside the tokens.
+LOSS_MASK = "loss_mask"
+MASK_ARRAY: tuple[str, int, int] = ("uint8", 1 << 20, 1 << 12)
 # What a cache directory may hold: clearing refuses a directory with anything else in it.
-KNOWN_ENTRIES = {LEDGER, COMPLETE, LOCK, PACKING_DIR, *ARRAYS}
+KNOWN_ENTRIES = {LEDGER, COMPLETE, LOCK, PACKING_DIR, LOSS_MASK, *ARRAYS}
 
 # One context for the process: shares the chunk cache and makes memory:// stores visible across
 # opens. Cached chunks are revalidated on every read, so readers of a growing cache stay fresh.
@@ -191,8 +195,8 @@ def _array_spec(root: CacheRoot, name: str) -> dict[str, Any]:
 
 
 def create_array(root: CacheRoot, name: str) -> ts.TensorStore:
-    """Create the empty array ``name`` (one of :data:`ARRAYS`), replacing any existing one."""
-    dtype, outer, inner = ARRAYS[name]
+    """Create the empty array ``name`` (one of :data:`ARRAYS`, or the loss mask), replacing any existing one."""
+    dtype, outer, inner = MASK_ARRAY if name == LOSS_MASK else ARRAYS[name]
     spec = _array_spec(root, name)
     spec["metadata"] = {
         "shape": [0],

@@ -20,6 +20,7 @@ from lm_pipeline.data.cache.storage import (
     COMPLETE,
     KNOWN_ENTRIES,
     LEDGER,
+    LOSS_MASK,
     PACKING_DIR,
     CacheRoot,
     create_array,
@@ -35,20 +36,23 @@ __all__ = ["Committer", "clear_cache", "finalize_cache", "open_arrays", "start_c
 Arrays = dict[str, ts.TensorStore]
 
 
-def start_cache(root: CacheRoot, info: TokenizerInfo, plan: dict[str, Any]) -> tuple[dict[str, Any], Arrays]:
-    """Replace whatever is at ``root`` by an empty cache (no shards committed); its ledger and arrays."""
+def start_cache(root: CacheRoot, info: TokenizerInfo, plan: dict[str, Any],
+                chat: dict[str, Any] | None = None) -> tuple[dict[str, Any], Arrays]:
+    """Replace whatever is at ``root`` by an empty cache (no shards committed); its ledger and arrays.
+    ``chat``: a chat source's ledger settings (:meth:`ChatSettings.ledger`): the cache then holds
+    the loss mask too."""
     clear_cache(root)  # also removes leftovers of a build that died before its first ledger
-    arrays = {name: create_array(root, name) for name in ARRAYS}
+    arrays = {name: create_array(root, name) for name in (*ARRAYS, *((LOSS_MASK,) if chat else ()))}
     arrays["doc_offsets"] = resized(arrays["doc_offsets"], 1)
     arrays["doc_offsets"][0:1].write(np.zeros(1, np.int64)).result()
-    ledger = new_ledger(info, plan)
+    ledger = new_ledger(info, plan, chat)
     root.write_atomic(LEDGER, dumps_json(ledger))
     return ledger, arrays
 
 
-def open_arrays(root: CacheRoot) -> Arrays:
-    """The arrays of an existing cache, to resume writing."""
-    return {name: open_array(root, name) for name in ARRAYS}
+def open_arrays(root: CacheRoot, chat: bool = False) -> Arrays:
+    """The arrays of an existing cache, to resume writing (the loss mask too for a chat cache)."""
+    return {name: open_array(root, name) for name in (*ARRAYS, *((LOSS_MASK,) if chat else ()))}
 
 
 class Committer:
@@ -81,7 +85,13 @@ class Committer:
         a["tokens"] = resized(a["tokens"], t1)
         a["doc_offsets"] = resized(a["doc_offsets"], d1 + 1)
         a["doc_bytes"] = resized(a["doc_bytes"], d1)
+        if (LOSS_MASK in a) != (part.loss_mask is not None):
+            raise CacheError(f"{self.root}: a chat cache takes parts with a loss mask, a text cache parts without")
         futures = []
+        if LOSS_MASK in a:
+            a[LOSS_MASK] = resized(a[LOSS_MASK], t1)
+            if m:
+                futures.append(a[LOSS_MASK][t0:t1].write(part.loss_mask))
         if m:
             futures.append(a["tokens"][t0:t1].write(part.tokens.astype(TOKEN_DTYPE, copy=False)))
         if n:
@@ -141,7 +151,7 @@ def clear_cache(root: CacheRoot) -> None:
         )
     root.delete(COMPLETE)
     root.delete(LEDGER)
-    for name in (PACKING_DIR, *ARRAYS):
+    for name in (PACKING_DIR, LOSS_MASK, *ARRAYS):
         root.delete_tree(name)
 
 
@@ -153,6 +163,8 @@ def finalize_cache(root: CacheRoot, ledger: dict[str, Any], arrays: Arrays) -> N
     arrays["tokens"] = resized(arrays["tokens"], c["tokens"])
     arrays["doc_offsets"] = resized(arrays["doc_offsets"], c["docs"] + 1)
     arrays["doc_bytes"] = resized(arrays["doc_bytes"], c["docs"])
+    if LOSS_MASK in arrays:
+        arrays[LOSS_MASK] = resized(arrays[LOSS_MASK], c["tokens"])
     ledger["complete"] = True
     data = dumps_json(ledger)
     root.write_atomic(LEDGER, data)

@@ -60,6 +60,7 @@ class ReaderSettings:
     on_invalid: Literal["fail", "skip"]
     text_unit: Literal["file", "paragraph", "line"] = "file"
     json_records_key: str | None = None
+    chat: bool = False  # records hold conversations under text_key (the messages field); see data/chat.py
 
 
 def infer_format(url: str, fmt: str = "auto") -> tuple[str | None, str | None]:

@@ -35,11 +35,12 @@ def _settings(cfg: DataConfig, fmt: str, compression: str | None) -> ReaderSetti
     return ReaderSettings(
         format=fmt,  # type: ignore[arg-type]
         compression=compression,  # type: ignore[arg-type]
-        text_key=cfg.text_key,
+        text_key=cfg.chat.messages_field if cfg.chat is not None else cfg.text_key,
         min_length=cfg.min_length,
         on_invalid=cfg.on_invalid,
         text_unit=cfg.text_unit,
         json_records_key=cfg.json_records_key,
+        chat=cfg.chat is not None,
     )
 
 

@@ -48,7 +48,10 @@ __all__ = ["Shard", "iter_shard_texts", "scan_shards", "shard_fingerprint"]
 def shard_fingerprint(settings: ReaderSettings, content: str, hf: HFSpec | None = None) -> str:
     """Hex sha256 of what a shard's texts depend on: the reader version and ``settings``, ``content``
     (the raw bytes' sha256, or a Hugging Face dataset's identity) and, for ``hf``, which rows."""
-    doc = {"reader_version": READER_VERSION, "settings": asdict(settings), "content": content}
+    fields = asdict(settings)
+    if not fields["chat"]:  # text sources: their fingerprints as before the chat flag existed
+        del fields["chat"]
+    doc = {"reader_version": READER_VERSION, "settings": fields, "content": content}
     if hf is not None:
         # a save_to_disk dataset is identified by its content, not by where it lies
         skip = ("loader", "path") if hf.loader == "disk" else ("loader",)
@@ -117,7 +120,25 @@ class Shard:
 
     # reading ------------------------------------------------------------------------------
     def iter_records(self, report: ShardReport | None = None) -> Iterator[RawRecord]:
-        """All records as read, before validation (parse problems attached)."""
+        """All records as read, before validation (parse problems attached). A chat source's
+        conversations come as their messages' JSON text (one line naming a record that is none)."""
+        if not self.settings.chat:
+            yield from self._iter_records(report)
+            return
+        from lm_pipeline.data.chat import messages_problem
+
+        for rec in self._iter_records(report):
+            if rec.reason or not rec.present:
+                yield rec
+                continue
+            problem = messages_problem(rec.value)
+            if problem is not None:
+                yield RawRecord(rec.location, "bad_json", f"{self.settings.text_key!r} is not a conversation: {problem}",
+                                False)
+                continue
+            yield rec._replace(value=json.dumps(rec.value, ensure_ascii=False))
+
+    def _iter_records(self, report: ShardReport | None = None) -> Iterator[RawRecord]:
         report = report if report is not None else ShardReport(self.name)
         s = self.settings
         if self.hf is not None:

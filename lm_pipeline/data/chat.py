@@ -1,0 +1,268 @@
+"""Chat-formatted sources (Levanter's ``format: {type: chat}``): conversations rendered through a
+chat template into token ids and a per-token loss mask.
+
+A chat record holds a list of messages (``{"role": ..., "content": ...}``) under
+``format.messages_field``. The reader passes the list on as its JSON text (so the record
+validation, the shard fingerprints and the worker queues stay those of text); the cache builder
+renders it here:
+
+* **Multi-turn** (the default): the conversation is rendered with the Jinja chat template
+  (``format.chat_template``, else the tokenizer's own from ``tokenizer_config.json`` or
+  ``chat_template.jinja``) the way ``transformers``' ``apply_chat_template`` renders it: a
+  sandboxed environment with ``trim_blocks`` / ``lstrip_blocks``, the ``tojson`` filter,
+  ``raise_exception`` and ``strftime_now``, ``add_generation_prompt`` false, the tokenizer's
+  special tokens (``bos_token``, ``eos_token``, ...) as variables. The text is tokenized with the
+  special tokens it contains recognised and nothing added (the template writes BOS/EOS itself).
+  The template marks the assistant's text with ``{% generation %} ... {% endgeneration %}``; the
+  loss mask is 1 on every token from the one holding a block's first character through the one
+  holding its last, 0 elsewhere (``mask_user_turns: false``: 1 everywhere).
+* **Single turn** (``single_turn: true``, Levanter's supervised form): the first user message's
+  content followed by the first assistant message's, tokenized as one text the cache's text way
+  (what the tokenizer adds, then EOS); the mask is 1 from the first token past the user text's
+  own tokens on (the whole document when ``mask_user_turns: false``). No template.
+
+A conversation whose mask holds no 1 (no assistant text) is an error naming the shard and record.
+Nothing is appended to a rendered conversation: it ends where the template ends it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lm_pipeline import fs
+
+__all__ = ["ChatSettings", "GENERATION_TAG", "ChatRenderer", "chat_settings", "chat_template_of", "has_generation_tag",
+           "messages_problem"]
+
+MASK_DTYPE = np.uint8
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def has_generation_tag(template: str) -> bool:
+    """Whether ``template`` marks the assistant's text with ``{% generation %}``."""
+    return bool(GENERATION_TAG.search(template))
+
+
+def chat_template_of(tokenizer_dir: str) -> str | None:
+    """The chat template a tokenizer directory carries: ``chat_template.jinja``, else
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or the one named ``default`` of a
+    list of named templates); None when it has none."""
+    raw = fs.read_bytes(fs.join(tokenizer_dir, "chat_template.jinja"))
+    if raw:
+        return raw.decode("utf-8")
+    cfg = json.loads(fs.read_bytes(fs.join(tokenizer_dir, "tokenizer_config.json")) or "{}")
+    tpl = cfg.get("chat_template")
+    if isinstance(tpl, list):
+        tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
+    return tpl if isinstance(tpl, str) and tpl else None
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """What the cache builder needs of a chat source (picklable; recorded in the ledger)."""
+
+    template: str | None  # the effective template (None for single_turn)
+    mask_user_turns: bool = True
+    single_turn: bool = False
+    pack: bool = True
+    messages_field: str = "messages"
+
+    def ledger(self) -> dict[str, Any]:
+        """The ledger's ``settings.chat``: everything that changes the ids or the mask."""
+        return {"template_sha256": hashlib.sha256((self.template or "").encode()).hexdigest(),
+                "mask_user_turns": self.mask_user_turns, "single_turn": self.single_turn, "pack": self.pack,
+                "messages_field": self.messages_field, "mask_dtype": np.dtype(MASK_DTYPE).name}
+
+
+def messages_problem(value: Any) -> str | None:
+    """Why ``value`` is not a conversation (a non-empty list of messages, each a mapping with a
+    string ``role``), or None."""
+    if not isinstance(value, list) or not value:
+        return f"expected a non-empty list of messages, got {type(value).__name__}" + (" (empty)" if value == [] else "")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            return f"message {i} is {type(m).__name__}, not a mapping with 'role' and 'content'"
+        if not isinstance(m.get("role"), str):
+            return f"message {i} has no string 'role'"
+    return None
+
+
+def _sandbox(template: str):
+    """The compiled template and a function that renders it, recording the ``{% generation %}``
+    blocks' character spans in the output."""
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    state: dict[str, Any] = {"out": None, "spans": None}
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            text = caller()
+            if state["spans"] is not None:
+                start = sum(map(len, state["out"]))
+                state["spans"].append((start, start + len(text)))
+            return text
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        import datetime
+
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    compiled = env.from_string(template)
+
+    def render(messages: list[dict[str, Any]], variables: dict[str, Any]) -> tuple[str, list[tuple[int, int]]]:
+        out: list[str] = []
+        spans: list[tuple[int, int]] = []
+        state["out"], state["spans"] = out, spans
+        try:
+            for block in compiled.generate(messages=messages, tools=None, documents=None,
+                                           add_generation_prompt=False, **variables):
+                out.append(block)
+        finally:
+            state["out"], state["spans"] = None, None
+        return "".join(out), spans
+
+    return render
+
+
+def _special_variables(tokenizer_dir: str) -> dict[str, str]:
+    """The tokenizer's special tokens as template variables (``bos_token``, ``eos_token``, ...)."""
+    cfg = json.loads(fs.read_bytes(fs.join(tokenizer_dir, "tokenizer_config.json")) or "{}")
+    out = {}
+    for name in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"):
+        v = cfg.get(name)
+        v = v.get("content") if isinstance(v, dict) else v
+        if isinstance(v, str):
+            out[name] = v
+    return out
+
+
+class ChatRenderer:
+    """Renders conversations into (ids, mask) with a tokenizer directory and :class:`ChatSettings`."""
+
+    def __init__(self, tokenizer_dir: str, settings: ChatSettings, text_tok: Any, info: Any):
+        from tokenizers import Tokenizer
+
+        self.settings = settings
+        self.text_tok = text_tok  # special-token strings stay text (the cache's document encoding)
+        self.info = info  # the cache's TokenizerInfo (EOS, what the post-processor adds)
+        raw = fs.read_bytes(fs.join(tokenizer_dir, "tokenizer.json"), missing_ok=False).decode("utf-8")
+        self.chat_tok = Tokenizer.from_str(raw)  # the template's special tokens recognised
+        self.chat_tok.no_padding()
+        self.chat_tok.no_truncation()
+        self.variables = _special_variables(tokenizer_dir)
+        self._render: Callable | None = None
+        if not settings.single_turn:
+            if not settings.template:
+                raise ValueError("a chat source needs a chat template (format.chat_template)")
+            self._render = _sandbox(settings.template)
+
+    def encode(self, record_json: str) -> tuple[list[int], np.ndarray, int]:
+        """(ids, mask, bytes) of one conversation given as its messages' JSON text; bytes: the
+        UTF-8 bytes of the text the masked-in tokens stand for (the assistant's text; all of the
+        rendered text when ``mask_user_turns`` is false), for bits per byte."""
+        messages = json.loads(record_json)
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        if self.settings.single_turn:
+            return self._single_turn(messages)
+        text, spans = self._render(messages, self.variables)
+        enc = self.chat_tok.encode(text, add_special_tokens=False)
+        ids = enc.ids
+        mask = np.zeros(len(ids), MASK_DTYPE)
+        if not self.settings.mask_user_turns:
+            mask[:] = 1
+            return ids, mask, len(text.encode("utf-8"))
+        for start, end in spans:
+            if end <= start:
+                continue
+            first = enc.char_to_token(start)
+            last = enc.char_to_token(end - 1)
+            if first is None:
+                continue
+            mask[first : (last + 1 if last is not None else len(ids))] = 1
+        if not mask.any():
+            raise ValueError("the conversation has no assistant text to train on (the template's "
+                             "{% generation %} blocks are empty or absent)")
+        return ids, mask, sum(len(text[a:b].encode("utf-8")) for a, b in spans)
+
+    def _single_turn(self, messages: list[dict[str, Any]]) -> tuple[list[int], np.ndarray]:
+        user = next((m.get("content") for m in messages if m.get("role") == "user"), None)
+        reply = next((m.get("content") for m in messages if m.get("role") == "assistant"), None)
+        if not isinstance(user, str) or not isinstance(reply, str):
+            raise ValueError("single_turn: the conversation needs a 'user' and an 'assistant' message with string content")
+        whole = self.text_tok.encode(user + reply, add_special_tokens=True).ids
+        ids = list(whole) + ([self.info.eos_id] if self.info.append_eos else [])
+        # what the tokenizer puts before a text, then the user text's own tokens: not trained on
+        prompt_len = min(len(self.info.prefix_ids) + len(self.text_tok.encode(user, add_special_tokens=False).ids),
+                         len(ids))
+        mask = np.ones(len(ids), MASK_DTYPE)
+        if self.settings.mask_user_turns:
+            mask[:prompt_len] = 0
+            nbytes = len(reply.encode("utf-8"))
+        else:
+            nbytes = len((user + reply).encode("utf-8"))
+        if not mask.any():
+            raise ValueError("single_turn: the assistant message has no tokens")
+        return ids, mask, nbytes
+
+
+
+
+def chat_settings(chat_cfg: Any, tokenizer_dir: str | None, *, where: str = "") -> ChatSettings:
+    """The :class:`ChatSettings` of a source's ``chat`` config with the tokenizer at
+    ``tokenizer_dir`` (its template when the config gives none). Raises a one-line
+    :class:`~lm_pipeline.schema.ConfigError` naming ``<where>chat.chat_template`` when there is
+    no template, or when the one found cannot mark the assistant's tokens."""
+    from lm_pipeline.schema import ConfigError
+
+    template = None
+    if not chat_cfg.single_turn:
+        template = chat_cfg.chat_template
+        source = "format.chat_template"
+        if template is None and tokenizer_dir is not None:
+            template = chat_template_of(tokenizer_dir)
+            source = f"the tokenizer's chat template ({tokenizer_dir})"
+        if template is None:
+            raise ConfigError(f"{where}chat.chat_template", f"is needed: the tokenizer ({tokenizer_dir}) has no chat "
+                              "template (no chat_template in its tokenizer_config.json, no chat_template.jinja); set "
+                              "format.chat_template to a Jinja template with {% generation %} around the assistant's "
+                              "content")
+        if chat_cfg.mask_user_turns and not has_generation_tag(template):
+            raise ConfigError(f"{where}chat.chat_template", f"{source} has no {{% generation %}} block, so the "
+                              "assistant's tokens cannot be told apart: give format.chat_template with "
+                              "{% generation %}...{% endgeneration %} around the assistant's content, or set "
+                              "format.mask_user_turns: false")
+    return ChatSettings(template, chat_cfg.mask_user_turns, chat_cfg.single_turn, chat_cfg.pack,
+                        chat_cfg.messages_field)
+
+
+def source_chat(data_cfg: Any, tokenizer_dir: str | None) -> ChatSettings | None:
+    """The chat settings of a (single-source) data section, None for text."""
+    chat_cfg = getattr(data_cfg, "chat", None)
+    return None if chat_cfg is None else chat_settings(chat_cfg, tokenizer_dir, where="data.")
