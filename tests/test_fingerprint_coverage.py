@@ -82,6 +82,10 @@ STAGE_OF: dict[str, str | None] = {
     **_each("raw_shards", "data.", "train_urls validation_urls validation format text_key json_records_key "
             "text_unit hf_id hf_name hf_split hf_validation_split hf_revision hf_data_files hf_streaming "
             "hf_shard_rows builtin builtin_max_bytes builtin_validation_fraction min_length on_invalid"),
+    # a chat source (format: {type: chat}): how records are read (messages_field), then how they are
+    # rendered into tokens and the loss mask (the token cache's)
+    "data.chat.messages_field": "raw_shards",
+    **_each("token_cache", "data.chat.", "chat_template single_turn pack mask_user_turns"),
     **_each("tokenizer", "data.tokenizer.", "kind vocab_size min_frequency special_tokens max_train_chars "
             "name_or_path revision eos_token"),
     # what determines the weights
@@ -172,6 +176,9 @@ _MIXTURE = {"data.train_urls": [], "data.validation_urls": [],
             "data.train_weights": {"web": 1.0}}
 _HF = {**_NO_FILES, "data.hf_id": "some-org/some-dataset"}
 
+_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+                  "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
+
 #: Changes the generic rule (bool flip, int + 1, float * 2, another choice, ...) cannot make:
 #: field -> (edits of the base config, the new value). Base edits may only make the change valid
 #: (one training source, one run length); the two configs still differ in the field alone.
@@ -201,6 +208,12 @@ SPECIAL: dict[str, tuple[dict[str, Any], Any]] = {
     "trainer.checkpointer.save_interval": ({}, "11m"),
     "eval.compute_dtype": ({}, "bfloat16"),
     "export.max_shard_size": ({}, "2GB"),
+    # a chat source needs a template with the BPE tokenizer trained here: the base gives one
+    **{f"data.chat.{k}": ({"data.chat": {"chat_template": _CHAT_TEMPLATE}}, v) for k, v in {
+        "messages_field": "conversation", "chat_template": _CHAT_TEMPLATE + "\n", "pack": False,
+        "mask_user_turns": False}.items()},
+    "data.chat.single_turn": ({"data.chat": {}, "data.tokenizer.name_or_path": "some-org/some-tokenizer",
+                               "data.tokenizer.kind": "hf"}, True),
     **{f"trainer.quantization.{k}": ({"trainer.quantization": {}}, v) for k, v in
        {"fp8": True, "int8": True, "targets": ["attn"]}.items()},
     # rope_scaling is absent by default: the base has one of the type the field belongs to

@@ -266,3 +266,26 @@ def source_chat(data_cfg: Any, tokenizer_dir: str | None) -> ChatSettings | None
     """The chat settings of a (single-source) data section, None for text."""
     chat_cfg = getattr(data_cfg, "chat", None)
     return None if chat_cfg is None else chat_settings(chat_cfg, tokenizer_dir, where="data.")
+
+
+def chat_template_problems(data_cfg: Any) -> list[Any]:
+    """One :class:`~lm_pipeline.schema.ConfigError` per chat source (the section's own or a
+    mixture component's) that has no usable template, checked before anything is built: the
+    config's template, else a local tokenizer directory's (a hub tokenizer's is checked when its
+    cache is built; a BPE trained here has none, refused when the config is read)."""
+    from lm_pipeline.schema import ConfigError
+
+    sources = data_cfg.chat_sources() if hasattr(data_cfg, "chat_sources") else {}
+    tok = data_cfg.tokenizer
+    local = None
+    if tok.kind != "bpe" and tok.name_or_path and fs.exists(fs.join(tok.name_or_path, "tokenizer.json")):
+        local = tok.name_or_path
+    out = []
+    for where, src in sources.items():
+        if src.chat.chat_template is None and local is None:
+            continue  # a hub tokenizer (checked at build), or a BPE (refused by the config)
+        try:
+            chat_settings(src.chat, local, where=f"data.{where}")
+        except ConfigError as e:
+            out.append(e)
+    return out

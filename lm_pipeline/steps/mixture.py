@@ -141,9 +141,31 @@ def input_stage(key: str, stages: Sequence[str]) -> str | None:
 
 def cache_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
     """The mixture's ``token_cache`` inputs besides its upstream stages: each component cache's
-    fingerprint (with ``content=False``, its config version); none without a mixture."""
-    return {f"{COMPONENT_INPUT}{name}": sub.address("token_cache").fingerprint if content
-            else sub.config_version("token_cache") for name, sub in pipe.components().items()}
+    fingerprint (with ``content=False``, its config version); none without a mixture. A chat source
+    rendered with its tokenizer's own template: that template's sha256 (``chat_template``; a text
+    source has no such input, so its address is unchanged)."""
+    out = {f"{COMPONENT_INPUT}{name}": sub.address("token_cache").fingerprint if content
+           else sub.config_version("token_cache") for name, sub in pipe.components().items()}
+    out.update(_chat_template_source(pipe))
+    return out
+
+
+def _chat_template_source(pipe: Pipeline) -> dict[str, Any]:
+    """``{"chat_template": sha256}`` of the template a chat source takes from a local tokenizer
+    directory (``tokenizer_config.json`` or ``chat_template.jinja``: not in tokenizer.json's hash);
+    a template in the config is hashed with the config, a hub tokenizer's by its name and revision."""
+    chat = getattr(pipe.cfg.data, "chat", None)
+    tok = pipe.cfg.data.tokenizer
+    if chat is None or chat.single_turn or chat.chat_template is not None or tok.kind == "bpe" or not tok.name_or_path:
+        return {}
+    from lm_pipeline import fs
+    from lm_pipeline.data.chat import chat_template_of
+
+    if not fs.exists(fs.join(tok.name_or_path, "tokenizer.json")):  # a hub id
+        return {}
+    import hashlib
+
+    return {"chat_template": hashlib.sha256((chat_template_of(tok.name_or_path) or "").encode()).hexdigest()}
 
 
 def url_locations(data: Any) -> list[tuple[str, str]]:

@@ -34,7 +34,17 @@ def _raw_shards_config(pipe: Pipeline) -> Any:
     view.pop("tokenizer", None)  # the tokenizer's own stage
     for name in ("packing", "shuffle", "era_length", *MIXTURE_DRAW_FIELDS):  # train_ckpt's: the row order never re-reads the shards
         view.pop(name, None)
+    if isinstance(view.get("chat"), dict):  # a chat source: how its records are read; the rendering is token_cache's
+        view["chat"] = {"messages_field": view["chat"].get("messages_field")}
     return view
+
+
+def _token_cache_config(pipe: Pipeline) -> Any:
+    """A chat source's rendering (template, single turn, packing, loss mask); nothing for text."""
+    chat = semantic_view(pipe.cfg.data).get("chat")
+    if not isinstance(chat, dict):
+        return {}
+    return {"chat": {k: v for k, v in chat.items() if k != "messages_field"}}
 
 
 def _raw_shards_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
@@ -104,8 +114,20 @@ def _train_check(pipe: Pipeline) -> None:
     from lm_pipeline.schema import ConfigError, raise_problems
     from lm_pipeline.train.trackers import tracker_problems
 
+    from lm_pipeline.data.chat import chat_template_problems
+
     raise_problems([ConfigError(where, problem) for where, problem in
-                    [*pipe.checkpoint_problems(), *tracker_problems(pipe.cfg.trainer.tracker)]])
+                    [*pipe.checkpoint_problems(), *tracker_problems(pipe.cfg.trainer.tracker)]]
+                   + chat_template_problems(pipe.cfg.data))
+    _needs_training_text(pipe)
+
+
+def _token_cache_check(pipe: Pipeline) -> None:
+    """A chat source's template (one line naming what to set), then some training text."""
+    from lm_pipeline.data.chat import chat_template_problems
+    from lm_pipeline.schema import raise_problems
+
+    raise_problems(chat_template_problems(pipe.cfg.data))
     _needs_training_text(pipe)
 
 
@@ -121,9 +143,9 @@ STAGES: tuple[Stage, ...] = (
           input_stages=_tokenizer_input_stages, sources=_tokenizer_sources, kind="python", metadata=shown.tokenizer,
           check=_tokenizer_check,
           description="The byte-level BPE trained on the training shards (or the configured HF tokenizer)."),
-    Stage("token_cache", 1, ("raw_shards", "tokenizer"), lambda pipe: {}, builders.token_cache,
+    Stage("token_cache", 1, ("raw_shards", "tokenizer"), _token_cache_config, builders.token_cache,
           sources=mixture.cache_sources, kind="tensorstore", command=("cache", "build the raw shards, tokenizer and token cache only"),
-          metadata=shown.token_cache, check=_needs_training_text,
+          metadata=shown.token_cache, check=_token_cache_check,
           description="Every split tokenized into a TensorStore token cache."),
     Stage("train_ckpt", 1, ("token_cache",), _train_config, builders.train_ckpt, kind="jax", sources=_train_sources,
           command=("train", "train a model (builds the tokenizer and token cache first if needed)"),
