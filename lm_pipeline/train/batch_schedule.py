@@ -47,6 +47,7 @@ def schedule_problems(value: Any, key: str = "train_batch_size") -> list[tuple[s
     do not strictly increase, sizes below 1. Empty when it is a valid schedule."""
     if not isinstance(value, (list, tuple)):
         return []
+    value = [{"start": e.start, "value": e.value} if isinstance(e, BatchStep) else e for e in value]
     if not value:
         return [(key, "a batch-size schedule needs at least one entry, e.g. [{start: 0, value: 64}]; "
                  "or give one batch size")]
@@ -85,12 +86,12 @@ def _is_int(x: Any) -> bool:
 
 def normalize_schedule(value: Any) -> Any:
     """A valid raw schedule in canonical form: a one-entry list is its batch size (an integer:
-    the same run as that plain batch size), longer lists ``[{start, value}, ...]``. Anything else is
-    returned unchanged (the field's own check reports it)."""
+    the same run as that plain batch size), a longer list a tuple of :class:`BatchStep`. Anything
+    else is returned unchanged (the field's own check reports it)."""
     if not isinstance(value, (list, tuple)) or schedule_problems(value):
         return value
-    entries = [{"start": int(e["start"]), "value": int(e["value"])} for e in value]
-    return entries[0]["value"] if len(entries) == 1 else entries
+    entries = tuple(e if isinstance(e, BatchStep) else BatchStep(int(e["start"]), int(e["value"])) for e in value)
+    return entries[0].value if len(entries) == 1 else entries
 
 
 class BatchSchedule:

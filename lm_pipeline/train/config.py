@@ -148,7 +148,9 @@ class TrainerConfig:
     train_tokens: int | None = field(None, help="Run length as a token budget, converted to steps (rounded up).")
     max_epochs: float | None = field(None, help="A cap on passes over the training data (Levanter's top-level `epoch`): the run stops at its length or after this many epochs, whichever comes first; null = no cap.", hashed_at_default=False)
     z_loss_weight: float = field(0.0, help="Weight of the auxiliary z-loss (Levanter's top-level `z_loss_weight`, PaLM's 1e-4): adds z_loss_weight * mean(logsumexp(logits)^2) over the target tokens to the training loss; 0 = none. Reported losses stay the cross-entropy.", hashed_at_default=False)
-    train_batch_size: int | tuple[BatchStep, ...] = field(32, help="Global batch size in sequences: all devices and all accumulated micro-batches of one step (Levanter's batch_size; LLM-Trainer's per-device batch_size is per_device_batch_size); or Levanter's batch-size schedule, a list of {start: STEP, value: SIZE} (first start 0, starts increasing): each step reads the next SIZE rows.", aliases=("batch_size",))
+    # A schedule's entries are BatchStep values, made by normalize_raw from Levanter's mappings (its
+    # one-line problems name each entry), so the declared type leaves them as they are.
+    train_batch_size: int | tuple[Any, ...] = field(32, help="Global batch size in sequences: all devices and all accumulated micro-batches of one step (Levanter's batch_size; LLM-Trainer's per-device batch_size is per_device_batch_size); or Levanter's batch-size schedule, a list of {start: STEP, value: SIZE} (first start 0, starts increasing): each step reads the next SIZE rows.", aliases=("batch_size",))
     per_device_parallelism: int | Literal["auto"] = field(
         -1,
         help="Sequences per device per micro-batch; -1 = the whole batch (no gradient accumulation); 'auto' = the largest "
@@ -199,6 +201,8 @@ class TrainerConfig:
     quantization: QuantizationConfig | None = field(None, help="Levanter's quantized training ({fp8: true}): checked against the device before any compute and refused there (see its fields); null or all false = none.", hashed_at_default=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.train_batch_size, (list, tuple)):  # a schedule given in Python: BatchStep entries
+            object.__setattr__(self, "train_batch_size", normalize_schedule(self.train_batch_size))
         # ``mp: auto`` becomes the concrete policy here, once, so that everything reading the config
         # (fingerprints and run ids, the compute plan, the estimator, the saved config.yaml, the
         # Pipes child's config) sees the same policy: a CPU run and a GPU run of one ``auto`` config
@@ -267,6 +271,10 @@ class TrainerConfig:
             raise ConfigError("device_memory_gib", f"must be > 0 or null, got {self.device_memory_gib}")
         if isinstance(self.train_batch_size, int) and self.train_batch_size < 1:
             raise ConfigError("train_batch_size", f"must be >= 1, got {self.train_batch_size}")
+        raise_problems([ConfigError(where, why) for where, why in schedule_problems(self.train_batch_size)])
+        if not isinstance(self.train_batch_size, int) and not all(
+                isinstance(e, BatchStep) for e in self.train_batch_size):
+            raise ConfigError("train_batch_size", "expected an integer or a list of {start: STEP, value: SIZE}")
         self._validate_accumulation()
         self._validate_split()
         try:

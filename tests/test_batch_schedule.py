@@ -1,0 +1,254 @@
+"""Levanter's batch-size schedule (``trainer.train_batch_size: [{start, value}, ...]``), each
+behaviour against a reference computed apart from the code under test:
+
+- the rows each step of a real training run reads, against a brute-force enumeration in NumPy
+  (per-step sizes from a plain loop over the schedule, consecutive positions, the row order of a
+  position from the epoch permutation), also for a mixture and across an epoch boundary;
+- the parameters after a schedule run with gradient accumulation, against a plain Optax Adam
+  loop over the same model's loss (its logits, a log-softmax here) on the brute-force rows;
+- a run interrupted in the middle of its schedule and resumed, against the uninterrupted run;
+- one compiled train step per distinct batch size; the logged batch sizes and tokens;
+- run lengths from a token budget or epochs, against the step found by summing sizes;
+- config problems, each in one line naming the entry, all at once.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers.resume import assert_resumed_to, crash_after_step, params
+
+from lm_pipeline.batch import ArrayDataset, epoch_permutation
+from lm_pipeline.config import load_config
+from lm_pipeline.data.mixture import MixtureBatchSource
+from lm_pipeline.fingerprint import semantic_view
+from lm_pipeline.schema import ConfigError
+from lm_pipeline.train import run as run_module
+from lm_pipeline.train.run import train
+from lm_pipeline.train.trackers import read_metrics
+
+SEQ, VOCAB, ROWS = 16, 50, 23  # 23 rows: the schedules below run past the first epoch
+CFG = {
+    "model.type": "gpt2", "model.seq_len": SEQ, "model.hidden_dim": 16, "model.num_heads": 2, "model.num_layers": 2,
+    "model.gradient_checkpointing": False, "trainer.mp": "f32", "trainer.progress": False,
+    "trainer.steps_per_eval": 1000, "trainer.log_every": 1, "trainer.id": "sched",
+    "optimizer.learning_rate": 1e-2, "optimizer.warmup": 0, "optimizer.lr_schedule": "constant",
+    "optimizer.max_grad_norm": None, "optimizer.weight_decay": 0.0, "optimizer.epsilon": 1e-4,
+}
+SCHEDULE = [{"start": 0, "value": 4}, {"start": 2, "value": 8}, {"start": 4, "value": 2}]
+
+
+def sizes_by_brute_force(schedule: list[dict], steps: int) -> list[int]:
+    """Each step's batch size: the value of the last entry whose start is at or before it."""
+    out = []
+    for k in range(steps):
+        size = None
+        for entry in schedule:
+            if entry["start"] <= k:
+                size = entry["value"]
+        out.append(size)
+    return out
+
+
+def positions_by_brute_force(schedule: list[dict], steps: int) -> list[list[int]]:
+    """Each step's positions in the run's row order: the next `size` positions after the earlier steps'."""
+    out, cursor = [], 0
+    for size in sizes_by_brute_force(schedule, steps):
+        out.append(list(range(cursor, cursor + size)))
+        cursor += size
+    return out
+
+
+def epoch_rows(positions: list[int], n: int, seed: int = 0) -> list[int]:
+    """The row at each position of the `epoch` order: epoch p // n's permutation at p % n."""
+    return [int(epoch_permutation(n, seed, p // n)[p % n]) for p in positions]
+
+
+class Recording(ArrayDataset):
+    """Records the rows each read returns: what really reaches the train step."""
+
+    def __init__(self, rows: int = ROWS, seed: int = 0):
+        super().__init__(np.random.default_rng(seed).integers(0, VOCAB, rows * SEQ), SEQ)
+        self.reads: list[list[int]] = []
+
+    def get_many(self, indices):
+        self.reads.append([int(i) for i in indices])
+        return super().get_many(indices)
+
+
+def step_reads(data: Recording, step0: list[int]) -> list[list[int]]:
+    """The reads of the steps: the first read is the trainer's look at step 0's rows ``step0``
+    (segment ids or not), whatever step the run starts at."""
+    assert data.reads[0] == step0
+    return data.reads[1:]
+
+
+def config(tmp_path, schedule=SCHEDULE, steps=6, **extra):
+    return load_config(None, {**CFG, "trainer.train_batch_size": schedule, "trainer.num_train_steps": steps,
+                              "trainer.log_dir": str(tmp_path / "logs"), **extra})
+
+
+def capture_step_functions(monkeypatch) -> list:
+    """The step functions the run builds (the real ones, kept for inspection)."""
+    built = []
+    real = run_module.build_step_functions
+
+    def build(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(run_module, "build_step_functions", build)
+    return built
+
+
+def test_each_step_reads_the_next_rows_of_its_size_and_compiles_once_per_size(tmp_path, monkeypatch):
+    built = capture_step_functions(monkeypatch)
+    data = Recording()
+    res = train(config(tmp_path, **{"trainer.per_device_parallelism": 2}), train_data=data, vocab_size=VOCAB,
+                run_dir=str(tmp_path / "run"))
+    assert res.final_step == 6
+    expected = [epoch_rows(p, ROWS) for p in positions_by_brute_force(SCHEDULE, 6)]
+    assert step_reads(data, expected[0]) == expected
+    # 28 positions over 23 rows: the first epoch is read whole, each row once, before any repeats
+    first_epoch = [r for step in expected for r in step][:ROWS]
+    assert sorted(first_epoch) == list(range(ROWS))
+    (fns,) = built
+    assert sorted({fns.batch_rows, *fns.other_train_steps}) == [2, 4, 8]
+    for fn in (fns.train_step, *fns.other_train_steps.values()):
+        assert fn._cache_size() == 1  # one compiled program per distinct size, not per step
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+    assert [r["train/batch_size"] for r in rows] == sizes_by_brute_force(SCHEDULE, 6)
+    assert [r["throughput/total_tokens"] for r in rows] == [
+        SEQ * sum(sizes_by_brute_force(SCHEDULE, k + 1)) for k in range(6)]
+
+
+def reference_adam(cfg, data: ArrayDataset, schedule: list[dict], steps: int) -> list[np.ndarray]:
+    """A plain Optax Adam loop: the model's mean next-token cross-entropy (log-softmax of its
+    logits) over each step's brute-force rows, whole batches (no micro-batches)."""
+    oc = cfg.optimizer
+    model = cfg.model.build(VOCAB, key=jax.random.split(jax.random.key(cfg.trainer.seed))[0])
+    arrays, static = eqx.partition(model, eqx.is_array)
+
+    def loss(p, tokens):
+        logits = eqx.combine(p, static)(tokens, None, key=None, inference=True)
+        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+    tx = optax.adam(oc.learning_rate, b1=oc.beta1, b2=oc.beta2, eps=oc.epsilon)
+    opt = tx.init(arrays)
+    grad = jax.jit(jax.grad(loss))
+    for positions in positions_by_brute_force(schedule, steps):
+        tokens = jnp.asarray(data.rows[epoch_rows(positions, len(data))])
+        updates, opt = tx.update(grad(arrays, tokens), opt, arrays)
+        arrays = optax.apply_updates(arrays, updates)
+    return [np.asarray(x) for x in jax.tree.leaves(arrays)]
+
+
+def test_parameters_equal_a_plain_optax_loop_on_the_brute_force_rows(tmp_path):
+    schedule = [{"start": 0, "value": 4}, {"start": 2, "value": 8}]
+    cfg = config(tmp_path, schedule, steps=4, **{"trainer.per_device_parallelism": 2})  # 2 and 4 micro-batches
+    data = ArrayDataset(np.random.default_rng(1).integers(0, VOCAB, ROWS * SEQ), SEQ)
+    res = train(cfg, train_data=data, vocab_size=VOCAB, run_dir=str(tmp_path / "run"))
+    ours, ref = params(res.state), reference_adam(cfg, data, schedule, 4)
+    assert len(ours) == len(ref)
+    start = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(
+        cfg.model.build(VOCAB, key=jax.random.split(jax.random.key(0))[0]), eqx.is_array))]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(ours, start, strict=True)) > 1e-2  # it learned
+    for a, b in zip(ours, ref, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
+
+
+def test_a_run_resumed_in_the_middle_of_its_schedule_equals_the_uninterrupted_one(tmp_path, monkeypatch):
+    extra = {"trainer.checkpointer.keep": [{"every": 3}]}
+    clean_data = Recording()
+    clean = train(config(tmp_path, **extra), train_data=clean_data, vocab_size=VOCAB, run_dir=str(tmp_path / "clean"))
+    run_dir = str(tmp_path / "run")
+    data = Recording()
+    latest = crash_after_step(monkeypatch, 4, lambda: train(config(tmp_path, **extra), train_data=data,
+                                                           vocab_size=VOCAB, run_dir=run_dir), run_dir)
+    assert latest.endswith("step-3")  # inside the 8-row segment: steps 3.. read from position 16 on
+    data.reads.clear()
+    resumed = train(config(tmp_path, **extra), train_data=data, vocab_size=VOCAB, run_dir=run_dir)
+    assert resumed.resumed_from.endswith("step-3") and resumed.final_step == 6
+    expected = [epoch_rows(p, ROWS) for p in positions_by_brute_force(SCHEDULE, 6)]
+    assert step_reads(data, expected[0]) == expected[3:]
+    assert step_reads(clean_data, expected[0]) == expected
+    assert_resumed_to(clean.state, resumed.state, run_dir, "step-3")
+
+
+def test_a_mixture_reads_by_position_and_its_phases_start_at_the_steps_rows(tmp_path):
+    datasets = {"a": Recording(17, seed=2), "b": Recording(11, seed=3)}
+    weights = [[0, {"a": 0.75, "b": 0.25}], [3, {"a": 0.25, "b": 0.75}]]
+    cfg = config(tmp_path, data={"configs": {"a": {"train_urls": ["a.jsonl"]}, "b": {"train_urls": ["b.jsonl"]}},
+                                 "train_weights": weights, "mixture_block_size": 4})
+    train(cfg, train_data=datasets, vocab_size=VOCAB, run_dir=str(tmp_path / "run"))
+    positions = positions_by_brute_force(SCHEDULE, 6)
+    # the phase given at step 3 starts at the row after steps 0..2's: 4 + 4 + 8
+    phase_row = len([p for step in positions[:3] for p in step])
+    assert phase_row == 16
+    reference = MixtureBatchSource({"a": ArrayDataset(datasets["a"].rows.ravel(), SEQ),
+                                    "b": ArrayDataset(datasets["b"].rows.ravel(), SEQ)},
+                                   [(0, weights[0][1]), (phase_row, weights[1][1])], 1, cfg.trainer.seed,
+                                   block_size=4)
+    got = {n: d.reads[1:] for n, d in datasets.items()}  # reads[0]: the look at step 0
+    for k, step in enumerate(positions):
+        component, rows = reference.rows_at(step)
+        for c, name in enumerate(reference.names):
+            want = [int(r) for r in rows[component == c]]
+            if want:
+                assert got[name].pop(0) == want, (k, name)
+    assert got == {"a": [], "b": []}
+
+
+def test_run_lengths_from_tokens_and_epochs_sum_the_schedule():
+    tc = load_config(None, {"trainer.train_batch_size": SCHEDULE, "trainer.train_tokens": 21 * SEQ}).trainer
+    sizes = sizes_by_brute_force(SCHEDULE, 100)
+    want = next(k for k in range(1, 100) if sum(sizes[:k]) >= 21)  # 4 + 4 + 8 + 8 = 24 >= 21
+    assert tc.resolve_num_steps(None, SEQ) == want == 4
+    tc = load_config(None, {"trainer.train_batch_size": SCHEDULE, "trainer.num_epochs": 2}).trainer
+    want = next(k for k in range(1, 100) if sum(sizes[:k]) >= 2 * ROWS)  # 24 + 2 * 11 = 46 >= 46
+    assert tc.resolve_num_steps(ROWS, SEQ) == want == 15
+
+
+def test_schedule_enters_the_fingerprint_and_a_plain_size_keeps_its_own():
+    plain = semantic_view(load_config(None, {"trainer.train_batch_size": 64}).trainer)
+    assert plain["train_batch_size"] == 64
+    assert semantic_view(load_config(None, {"trainer.train_batch_size": [{"start": 0, "value": 64}]}).trainer) == plain
+    a = semantic_view(load_config(None, {"trainer.train_batch_size": SCHEDULE}).trainer)
+    b = semantic_view(load_config(None, {"trainer.batch_size": [{"start": 0, "value": 4}, {"start": 3, "value": 8}]}).trainer)
+    assert a["train_batch_size"] == SCHEDULE and len({str(plain), str(a), str(b)}) == 3
+
+
+def test_config_problems_of_a_schedule_are_reported_together_naming_each_entry():
+    bad = [{"start": 1, "value": 4}, {"start": 1, "value": 0}, {"start": "x", "value": 8, "size": 2}, 16]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"trainer.train_batch_size": bad})
+    text = str(err.value)
+    assert text.startswith("6 problems: ") and "\n" not in text
+    for where in ("[0].start", "[1].start", "[1].value", "[2].start", "[2].size", "[3]"):
+        assert f"'trainer.train_batch_size{where}'" in text, where
+    with pytest.raises(ConfigError, match="at least one entry"):
+        load_config(None, {"trainer.train_batch_size": []})
+    # each size splits into micro-batches as a plain size must
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"trainer.train_batch_size": [{"start": 0, "value": 6}, {"start": 5, "value": 10}],
+                           "trainer.per_device_parallelism": 4})
+    assert "trainer.train_batch_size[0].value" in str(err.value) and "trainer.train_batch_size[1].value" in str(err.value)
+    with pytest.raises(ConfigError, match=r"train_batch_size\[1\].value.*3 is not divisible by the 2 data-parallel"):
+        load_config(None, {"trainer.train_batch_size": [{"start": 0, "value": 4}, {"start": 5, "value": 3}]}
+                    ).trainer.check_devices(2)
+    load_config(None, {"trainer.train_batch_size": SCHEDULE}).trainer.check_devices(2)
+
+
+def test_levanter_schedule_as_written_loads():
+    raw = {"train_batch_size": [{"start": 0, "value": 64}, {"start": 64, "value": 128}, {"start": 256, "value": 64},
+                                {"start": 1024, "value": 256}], "allow_nondivisible_batch_size": True,
+           "per_device_parallelism": -1}
+    tc = load_config(None, {f"trainer.{k}": v for k, v in raw.items()}).trainer
+    s = tc.batch_schedule
+    assert [s.batch_size_at(k) for k in (0, 63, 64, 255, 256, 1023, 1024, 5000)] == [64, 64, 128, 128, 64, 64, 256, 256]
+    assert s.offset_at(1024) == 64 * 64 + 192 * 128 + 768 * 64 == sum(sizes_by_brute_force(raw["train_batch_size"], 1024))
