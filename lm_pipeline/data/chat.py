@@ -263,9 +263,16 @@ def chat_settings(chat_cfg: Any, tokenizer_dir: str | None, *, where: str = "") 
 
 
 def source_chat(data_cfg: Any, tokenizer_dir: str | None) -> ChatSettings | None:
-    """The chat settings of a (single-source) data section, None for text."""
+    """The chat settings of a (single-source) data section, None for text. ``tokenizer_dir``: the
+    tokenizer artifact; the template is read from the configured directory when the tokenizer is a
+    local one (what the fingerprint hashes), else from the artifact (a hub tokenizer's copy)."""
     chat_cfg = getattr(data_cfg, "chat", None)
-    return None if chat_cfg is None else chat_settings(chat_cfg, tokenizer_dir, where="data.")
+    if chat_cfg is None:
+        return None
+    tok = data_cfg.tokenizer
+    if tok.kind != "bpe" and tok.name_or_path and fs.exists(fs.join(tok.name_or_path, "tokenizer.json")):
+        tokenizer_dir = tok.name_or_path
+    return chat_settings(chat_cfg, tokenizer_dir, where="data.")
 
 
 def chat_template_problems(data_cfg: Any) -> list[Any]:

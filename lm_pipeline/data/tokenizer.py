@@ -300,6 +300,11 @@ def load_hf_tokenizer(
         extra: dict[str, Any] = {}
         if isinstance(conf.get("model_max_length"), int):
             extra["model_max_length"] = conf["model_max_length"]
+        from lm_pipeline.data.chat import chat_template_of
+
+        template = chat_template_of(name_or_path)  # kept for chat sources (and the export)
+        if template is not None:
+            extra["chat_template"] = template
         additional = [
             t for t in (_token_str(v) for v in smap.get("additional_special_tokens", []) or []) if t
         ]
@@ -325,6 +330,8 @@ def load_hf_tokenizer(
         mml = getattr(hf, "model_max_length", None)
         if isinstance(mml, int):
             extra["model_max_length"] = mml
+        if isinstance(getattr(hf, "chat_template", None), str):  # kept for chat sources (and the export)
+            extra["chat_template"] = hf.chat_template
     if eos_token is not None:
         roles["eos_token"] = eos_token
     if roles.get("eos_token") is None:

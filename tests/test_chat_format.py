@@ -1,0 +1,301 @@
+"""Chat-formatted sources (Levanter's ``format: {type: chat}``), against independent references:
+
+* the token cache's ids and loss mask of a few conversations equal what ``transformers``'
+  ``apply_chat_template(..., return_assistant_tokens_mask=True)`` gives with the same tokenizer and
+  template, and the loader's packed rows carry them aligned;
+* the masked training loss of a batch (``model_loss_sums``, the eval step, the train step's
+  reported loss) equals a NumPy cross-entropy averaged over the positions that predict an assistant
+  token, found from the ``transformers`` mask (never from the batch's own mask);
+* a mixture of a text component and a chat component trains end to end from the command line,
+  its training loss going down and its chat validation set reported;
+* config problems are refused in one line naming the field.
+
+Everything is local: the tokenizer is trained here, the data written here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from helpers import pipeline as pt
+from helpers.data import EOS, sample_texts
+
+from lm_pipeline.config import load_config
+from lm_pipeline.data.cache import build_cache, open_cache
+from lm_pipeline.data.chat import source_chat
+from lm_pipeline.data.config import DataConfig
+from lm_pipeline.data.loader import CacheDataset
+from lm_pipeline.data.sources.resolve import resolve_shards
+from lm_pipeline.schema import ConfigError, from_dict
+from lm_pipeline.train.loss import model_loss_sums
+from lm_pipeline.train.sharding import make_mesh
+from lm_pipeline.train.trainer import TrainState, build_step_functions, put_batch, step_args
+
+SPECIALS = [EOS, "<|user|>", "<|assistant|>", "<|system|>"]
+# transformers' chat-template dialect: the assistant's text (and its EOS) marked as generation
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}"
+            "{{ m['content'] }}{{ eos_token }}{% endgeneration %}\n{% else %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+            "{% endif %}{% endfor %}")
+CONVERSATIONS = [
+    [{"role": "user", "content": "alpha beta café"}, {"role": "assistant", "content": "gamma 日本語 delta"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x 42"},
+     {"role": "assistant", "content": "42 🙂 foo_bar"}, {"role": "user", "content": "foo_bar naïve"},
+     {"role": "assistant", "content": "naïve данные alpha alpha"}],
+    [{"role": "user", "content": "delta delta gamma beta alpha x"}, {"role": "assistant", "content": "x"}],
+    [{"role": "user", "content": "🙂"}, {"role": "assistant", "content": "beta gamma"},
+     {"role": "user", "content": "again"}, {"role": "assistant", "content": "café café 42"}],
+]
+T = 24
+BATCH = 4
+
+
+def chat_tokenizer(out: Path, template: str | None = TEMPLATE) -> Path:
+    """A byte-level BPE with the chat's special tokens; its tokenizer_config.json has ``template``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(sample_texts(200), trainer=trainers.BpeTrainer(
+        vocab_size=320, special_tokens=SPECIALS, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    cfg = {"eos_token": EOS, "bos_token": EOS, "pad_token": EOS, **({"chat_template": template} if template else {})}
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    return out
+
+
+def write_chats(path: Path, conversations=CONVERSATIONS, key: str = "messages") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({key: c, "id": i}) + "\n" for i, c in enumerate(conversations)), encoding="utf-8")
+    return path
+
+
+def hf_reference(tokdir: Path, conversation, template: str = TEMPLATE) -> tuple[list[int], list[int]]:
+    """transformers' rendering of one conversation: (input_ids, assistant_masks)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tokdir / "tokenizer.json")),
+                                 eos_token=EOS, bos_token=EOS, pad_token=EOS)
+    out = hf.apply_chat_template(conversation, chat_template=template, tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=True)
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def chat_cache(tmp: Path, **fmt) -> tuple[Path, object]:
+    """The token cache of CONVERSATIONS (format: {type: chat, **fmt}) with the chat tokenizer."""
+    tokdir = chat_tokenizer(tmp / "tok")
+    data = write_chats(tmp / "chat.jsonl")
+    cfg = from_dict(DataConfig, {"train_urls": [str(data)], "format": {"type": "chat", **fmt},
+                                 "tokenizer": {"kind": "hf", "name_or_path": str(tokdir)}})
+    build_cache(str(tmp / "cache"), resolve_shards(cfg, "train"), str(tokdir), num_workers=1, progress=False,
+                chat=source_chat(cfg, str(tokdir)))
+    return tokdir, open_cache(str(tmp / "cache"))
+
+
+# --- (a) the cache's ids and mask: transformers' apply_chat_template -----------------------------
+
+
+@pytest.mark.parametrize("template_in", ["tokenizer", "config"])
+def test_cached_ids_and_mask_equal_transformers(tmp_path, template_in):
+    fmt = {"chat_template": TEMPLATE} if template_in == "config" else {}
+    tokdir, cache = chat_cache(tmp_path, **fmt)
+    assert cache.num_docs == len(CONVERSATIONS) and cache.has_loss_mask
+    off = cache.doc_offsets
+    for i, conv in enumerate(CONVERSATIONS):
+        ids, mask = hf_reference(tokdir, conv)
+        assert 0 < sum(mask) < len(mask)  # user turns masked out, assistant turns in
+        assert cache.doc(i).tolist() == ids, f"conversation {i}: ids"
+        assert cache.read_loss_mask(int(off[i]), int(off[i + 1])).tolist() == mask, f"conversation {i}: mask"
+
+
+def test_mask_user_turns_false_trains_on_every_token(tmp_path):
+    tokdir, cache = chat_cache(tmp_path, mask_user_turns=False)
+    for i, conv in enumerate(CONVERSATIONS):
+        ids, _ = hf_reference(tokdir, conv)
+        assert cache.doc(i).tolist() == ids
+    assert cache.read_loss_mask(0, cache.num_tokens).tolist() == [1] * cache.num_tokens
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_loader_rows_carry_each_conversations_ids_and_mask(tmp_path, pack):
+    """Every row's segments are whole conversations (or seq_len pieces of one), with the mask of
+    the same tokens; padding is masked out; pack: false puts one piece per row."""
+    tokdir, cache = chat_cache(tmp_path, pack=pack)
+    refs = [hf_reference(tokdir, c) for c in CONVERSATIONS]
+    stream_ids = [t for ids, _ in refs for t in ids]
+    stream_mask = [m for _, mask in refs for m in mask]
+    ds = CacheDataset(cache, T, "concat")  # a chat cache packs its own way whatever is asked
+    assert ds.packing == ("greedy" if pack else "single") and ds.has_loss_mask
+    batch = ds.get_many(np.arange(len(ds)))
+    seen_ids, seen_mask = [], []
+    for r in range(len(ds)):
+        seg = batch.segment_ids[r]
+        assert (batch.loss_mask[r][seg == 0] == 0).all()
+        if not pack:
+            assert set(seg.tolist()) <= {0, 1}
+        for s in sorted(set(seg.tolist()) - {0}):
+            seen_ids += batch.tokens[r][seg == s].tolist()
+            seen_mask += batch.loss_mask[r][seg == s].tolist()
+    assert seen_ids == stream_ids and seen_mask == stream_mask  # greedy keeps the cache's order
+
+
+# --- (b) the masked loss: NumPy cross-entropy over the assistant's targets ----------------------
+
+
+def _numpy_model(cfg, vocab: int):
+    rng = np.random.default_rng(0)
+    abstract = eqx.filter_eval_shape(cfg.model.build, vocab, key=jax.random.key(0))
+    return jax.tree.map(lambda a: jnp.asarray(rng.normal(0.0, 0.3, a.shape), a.dtype)
+                        if isinstance(a, jax.ShapeDtypeStruct) else a, abstract)
+
+
+def test_masked_training_loss_equals_numpy_over_assistant_targets(tmp_path):
+    tokdir, cache = chat_cache(tmp_path)
+    refs = [hf_reference(tokdir, c) for c in CONVERSATIONS]
+    ref_mask = np.array([m for _, mask in refs for m in mask])  # the assistant's tokens, in stream order
+    ds = CacheDataset(cache, T, "greedy")
+    batch = ds.get_many(np.arange(BATCH) % len(ds))
+    # where each slot's token lies in the stream, from the layout (independently of the batch's mask)
+    plan = ds.layout.plan(np.arange(BATCH) % len(ds))
+    pos = np.full((BATCH, T), -1)
+    stream = np.concatenate([np.arange(s, s + n) for s, n in zip(plan.run_start, plan.run_len, strict=True)])
+    pos[np.arange(T)[None] < plan.row_len[:, None]] = stream
+    seg = batch.segment_ids
+    # position t predicts token t+1: counted where t+1 is in t's conversation and an assistant token
+    predicts = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
+    assistant_target = np.where(pos[:, 1:] >= 0, ref_mask[np.maximum(pos[:, 1:], 0)], 0) == 1
+    keep = predicts & assistant_target
+    assert 0 < keep.sum() < predicts.sum()
+
+    cfg = load_config(None, {"model.type": "gpt2", "model.num_heads": 4, "model.seq_len": T, "model.hidden_dim": 32,
+                             "model.num_layers": 2, "model.gradient_checkpointing": False,
+                             "trainer.train_batch_size": BATCH, "trainer.mp": "f32", "trainer.progress": False})
+    vocab = 320
+    model = _numpy_model(cfg, vocab)
+    tokens, segs, mask = (jnp.asarray(batch.tokens), jnp.asarray(seg), jnp.asarray(batch.loss_mask))
+    logits = np.asarray(model(tokens, segs, key=None, inference=True), np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp[:, :-1], batch.tokens[:, 1:, None].astype(np.int64), -1)[..., 0]
+    ref = nll[keep].mean()
+
+    s, n = model_loss_sums(model, tokens, segs, key=None, inference=True, loss_mask=mask)
+    assert float(n) == keep.sum() and float(s) / float(n) == pytest.approx(ref, rel=1e-5)
+    # the compiled steps: eval and train take the mask as their 4th argument
+    plan_ = make_mesh(cfg.trainer, jax.devices()[:1])
+    fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=vocab, num_train_steps=4,
+                               plan=plan_, has_segments=True, has_loss_mask=True)
+    a = fns.abstract_state
+    state = TrainState(jnp.zeros((), jnp.int32), eqx.filter(model, eqx.is_array),
+                       jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), a.opt_state), jax.random.key_data(jax.random.key(0)))
+    args = step_args(fns, put_batch(batch, plan_))
+    assert len(args) == 3
+    s, n = fns.eval_step(state, *args)
+    assert float(n) == keep.sum() and float(s) / float(n) == pytest.approx(ref, rel=1e-5), "eval_step"
+    _, metrics = fns.train_step(jax.tree.map(jnp.copy, state), *args)
+    assert float(metrics["train/loss"]) == pytest.approx(ref, rel=1e-5), "train_step"
+
+
+# --- (c) a text + chat mixture trains from the command line ---------------------------------------
+
+
+def test_text_and_chat_mixture_trains_from_the_command_line(tmp_path):
+    tokdir = chat_tokenizer(tmp_path / "tok")
+    raw = pt.tiny_config(tmp_path)
+    d = raw["data"]
+    train_urls, val = d.pop("train_urls"), d.pop("validation_urls")
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "café", "x", "42"]
+    convs = [[{"role": "user", "content": " ".join(rng.choice(words, 4))},
+              {"role": "assistant", "content": " ".join(rng.choice(words[:3], 6))}] for _ in range(120)]
+    write_chats(tmp_path / "chat" / "train.jsonl", convs[:100])
+    write_chats(tmp_path / "chat" / "val.jsonl", convs[100:])
+    d.update({"configs": {"web": {"train_urls": train_urls, "validation_urls": val},
+                          "sft": {"train_urls": [str(tmp_path / "chat" / "train.jsonl")],
+                                  "validation_urls": [str(tmp_path / "chat" / "val.jsonl")],
+                                  "format": {"type": "chat"}}},
+              "train_weights": {"web": 0.5, "sft": 0.5}, "mixture_block_size": 8,
+              "tokenizer": {"kind": "hf", "name_or_path": str(tokdir)}})
+    raw["trainer"].update({"num_train_steps": 30, "steps_per_eval": 30, "log_every": 1})
+    raw["optimizer"]["learning_rate"] = 3e-3
+    experiment = tmp_path / "mix.yaml"
+    experiment.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    out = subprocess.run([sys.executable, "-m", "lm_pipeline.cli", "train", "--config_path", str(experiment)],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    from lm_pipeline.plots import read_metrics
+    from lm_pipeline.steps import Pipeline
+
+    pipe = Pipeline(load_config(experiment), progress=False)
+    run = pipe.cached("train_ckpt")
+    assert run is not None and run.manifest["summary"]["final_step"] == 30
+    losses = [r["train/loss"] for r in read_metrics(run.manifest["run_dir"]) if "train/loss" in r]
+    assert len(losses) >= 20
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses
+    rows = {r["dataset"]: r for r in pipe.eval_report().manifest["rows"]}
+    assert {"web/validation", "sft/validation"} <= set(rows)
+    assert rows["sft/validation"]["loss"] > 0 and rows["sft/validation"]["bpb"] > 0
+
+
+# --- (d) config problems, one line naming the field ---------------------------------------------
+
+
+@pytest.mark.parametrize(("fmt", "field", "says"), [
+    ({"type": "chat", "pack": "yes"}, "format.pack", "boolean"),
+    ({"type": "chat", "messages": "m"}, "format.messages", "messages_field"),
+    ({"type": "chat", "messages_field": ""}, "format.messages_field", "must not be empty"),
+    ({"type": "chat", "chat_template": "{{ messages }}"}, "format.chat_template", "generation"),
+    ({"type": "chat", "single_turn": True, "chat_template": TEMPLATE}, "format.chat_template", "single_turn"),
+])
+def test_bad_chat_format_is_refused_in_one_line(fmt, field, says):
+    with pytest.raises(ConfigError) as e:
+        from_dict(DataConfig, {"configs": {"sft": {"train_urls": ["x.jsonl"], "format": fmt}},
+                               "train_weights": {"sft": 1.0}, "tokenizer": "some/tok"}, "data")
+    msg = str(e.value)
+    assert "\n" not in msg and f"data.configs.sft.{field}" in msg and says in msg, msg
+
+
+def test_bpe_tokenizer_without_template_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as e:
+        from_dict(DataConfig, {"train_urls": ["x.jsonl"], "format": {"type": "chat"}}, "data")
+    msg = str(e.value)
+    assert "\n" not in msg and "data.chat.chat_template" in msg and "format.chat_template" in msg, msg
+
+
+def test_local_tokenizer_without_template_fails_before_anything_is_built(tmp_path):
+    tokdir = chat_tokenizer(tmp_path / "tok", template=None)
+    data = write_chats(tmp_path / "chat.jsonl")
+    raw = pt.tiny_config(tmp_path)
+    raw["data"].update({"train_urls": [str(data)], "validation_urls": [], "format": {"type": "chat"},
+                        "tokenizer": {"kind": "hf", "name_or_path": str(tokdir)}})
+    experiment = tmp_path / "chat.yaml"
+    experiment.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    out = subprocess.run([sys.executable, "-m", "lm_pipeline.cli", "train", "--config_path", str(experiment)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode != 0
+    last = [line for line in out.stderr.strip().splitlines() if line.strip()][-1]
+    assert "data.chat.chat_template" in last and "format.chat_template" in last, out.stderr[-2000:]
+    assert not (tmp_path / "store" / "token_cache").exists()
+
+
+def test_chat_records_that_are_no_conversation_are_named(tmp_path):
+    from lm_pipeline.data.validation import DataValidationError
+
+    tokdir = chat_tokenizer(tmp_path / "tok")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n" + json.dumps({"messages": "hello"}) + "\n")
+    cfg = from_dict(DataConfig, {"train_urls": [str(bad)], "format": {"type": "chat"},
+                                 "tokenizer": {"kind": "hf", "name_or_path": str(tokdir)}})
+    with pytest.raises(DataValidationError, match="line 2.*not a conversation"):
+        list(resolve_shards(cfg, "train")[0].iter_texts())
