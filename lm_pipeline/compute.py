@@ -15,6 +15,8 @@ removing that package means removing the ``cpu_*`` choices below, nothing in the
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,12 +25,91 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+log = logging.getLogger(__name__)
+
 F32 = jnp.float32
 LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ATTENTION_ENV = "LM_PIPELINE_ATTENTION"
 ATTENTION_CHOICES = ("auto", "xla", "cudnn", "native", "blocked")
 
 AttentionKind = Literal["xla", "cudnn", "cpu_blocked", "cpu_native"]
+
+LEVANTER_BACKENDS = ("default", "nvte", "splash", "jax_flash", "vanilla")
+"""Levanter's ``model.attn_backend`` values (its ``AttentionBackend``), mapped by :func:`levanter_attention`."""
+
+
+@dataclass(frozen=True)
+class ComputeHints:
+    """What a config asks of the plan about *how* to compute (Levanter's model keys; none changes
+    results beyond float rounding, none enters a fingerprint). None = the plan's own choice.
+
+    Attributes:
+        attn_backend: Levanter's attention backend (:data:`LEVANTER_BACKENDS`), mapped per platform
+            by :func:`levanter_attention`.
+        attention_block: query rows per block of the blocked attention (Levanter's
+            ``flash_attention_block_size``).
+        head_chunk_rows: token rows per chunk of the fused LM head + cross-entropy (Levanter's
+            ``cross_entropy_block_size``).
+        scan_layers: True: the layer stack is always a scan; False: always unrolled.
+    """
+
+    attn_backend: str | None = None
+    attention_block: int | None = None
+    head_chunk_rows: int | None = None
+    scan_layers: bool | None = None
+
+
+NO_HINTS = ComputeHints()
+
+
+def hints_from(model_config: Any) -> ComputeHints:
+    """The :class:`ComputeHints` of a model config (its Levanter keys ``attn_backend``,
+    ``flash_attention_block_size``, ``cross_entropy_block_size``, ``scan_layers``; absent = None)."""
+    if model_config is None:
+        return NO_HINTS
+    get = lambda name: getattr(model_config, name, None)  # noqa: E731
+    return ComputeHints(get("attn_backend"), get("flash_attention_block_size"), get("cross_entropy_block_size"),
+                        get("scan_layers"))
+
+
+_SAID: set[tuple[str, ...]] = set()
+
+
+def _say_once(*what: str) -> None:
+    """Log ``what[-1]`` once per process for the key ``what`` (plans are built by the trainer, each
+    evaluation and generation)."""
+    if what not in _SAID:
+        _SAID.add(what)
+        log.info("%s", what[-1])
+
+
+def levanter_attention(backend: str, platform: str) -> str:
+    """The :data:`ATTENTION_CHOICES` entry a Levanter ``attn_backend`` becomes on ``platform``.
+
+    ``default`` -> ``auto`` (the plan's own choice); ``vanilla`` (plain dot-product attention) ->
+    ``xla``; ``jax_flash`` (blockwise flash attention in JAX) -> ``blocked`` on CPU, ``cudnn`` on GPU
+    (cuDNN's flash attention where it applies, else XLA's), ``xla`` on TPU; ``nvte`` (Transformer
+    Engine's fused attention, NVIDIA GPUs) -> ``cudnn`` on GPU; ``splash`` (the TPU kernel) -> ``xla``
+    on TPU. ``nvte`` and ``splash`` elsewhere fall back to ``auto`` with one log line. Never strict:
+    a kernel that does not apply to a call falls back as ``auto`` would.
+    """
+    table = {
+        "default": {},
+        "vanilla": {"cpu": "xla", "gpu": "xla", "tpu": "xla"},
+        "jax_flash": {"cpu": "blocked", "gpu": "cudnn", "tpu": "xla"},
+        "nvte": {"gpu": "cudnn"},
+        "splash": {"tpu": "xla"},
+    }
+    if backend not in table:
+        raise ValueError(f"model.attn_backend must be one of {', '.join(LEVANTER_BACKENDS)}; got {backend!r}")
+    choice = table[backend].get(platform)
+    if choice is None:
+        if backend != "default":
+            _say_once("attn_backend", backend, platform,
+                      f"model.attn_backend: {backend} has no kernel on {platform}: the compute plan's own attention "
+                      "is used")
+        return "auto"
+    return choice
 
 CPU_UNROLL_MAX_LAYERS = 8
 """On CPU, a low-precision (bf16) stack of at most this many layers that is neither checkpointed
@@ -67,6 +148,12 @@ class ComputePlan:
         vocab_pad_multiple: the LM head pads the vocabulary to a multiple of this (1: no padding).
         f16_attention_in_f32: attention of float16 inputs computes in float32 (XLA:CPU has no
             f16 x f16 -> f32 dot).
+        attention_block: query rows per block of the blocked attention (0: its own rule,
+            :func:`~lm_pipeline.kernels.cpu.blocked_attention.num_query_blocks`).
+        head_chunk_rows: token rows per chunk of the fused head + cross-entropy (0: its own,
+            :data:`~lm_pipeline.kernels.cpu.fused_head_loss.HEAD_CHUNK_ROWS`).
+        layer_loop: ``auto`` (:meth:`unroll`'s rule), ``scan`` (never unrolled) or ``unroll``
+            (always, also under a remat policy or checkpointing).
     """
 
     platform: str = "any"
@@ -78,6 +165,9 @@ class ComputePlan:
     unroll_max_layers: int = 0
     vocab_pad_multiple: int = 1
     f16_attention_in_f32: bool = True
+    attention_block: int = 0
+    head_chunk_rows: int = 0
+    layer_loop: Literal["auto", "scan", "unroll"] = "auto"
 
     # --- what the models call -----------------------------------------------------------------
 
@@ -143,8 +233,9 @@ class ComputePlan:
 
             # A single query block in a low-precision dtype has nothing to skip, and XLA's own
             # bf16 path measured faster there.
-            if q.dtype == F32 or blocked_attention.num_query_blocks(q.shape[1]) > 1:
-                return blocked_attention.blocked_causal_attention(q, k, v, mask, scale)
+            block = self.attention_block or None
+            if q.dtype == F32 or blocked_attention.num_query_blocks(q.shape[1], block) > 1:
+                return blocked_attention.blocked_causal_attention(q, k, v, mask, scale, block=block)
         if self.attention == "cudnn" and mask is None and (self.strict_attention or _cudnn_applies(q)):
             try:
                 return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="cudnn")
@@ -163,7 +254,14 @@ class ComputePlan:
 
     def unroll(self, num_layers: int) -> bool:
         """Whether a plain (not checkpointed, no remat policy) stack of ``num_layers`` is unrolled."""
+        if self.layer_loop != "auto":
+            return self.layer_loop == "unroll" and num_layers > 0
         return 0 < num_layers <= self.unroll_max_layers
+
+    def unroll_rematerialized(self, num_layers: int) -> bool:
+        """Whether a checkpointed (or remat-policy) stack of ``num_layers`` is unrolled: only when
+        asked (``layer_loop: unroll``, Levanter's ``scan_layers: false``)."""
+        return self.layer_loop == "unroll" and num_layers > 0
 
     # --- what the loss calls ------------------------------------------------------------------
 
@@ -171,7 +269,7 @@ class ComputePlan:
         """The ``cpu_fused_head`` loss: ``sum(mask * xent(hidden @ headᵀ, targets))`` in f32."""
         from lm_pipeline.kernels.cpu import fused_head_loss
 
-        return fused_head_loss.fused_head_xent_sum(hidden, head, targets, mask)
+        return fused_head_loss.fused_head_xent_sum(hidden, head, targets, mask, chunk_rows=self.head_chunk_rows or None)
 
 
 REFERENCE = ComputePlan()
@@ -195,15 +293,48 @@ def attention_choice(choice: str | None = None) -> str:
 
 
 def plan_for(
-    platform: str, compute_dtype: Any, *, num_devices: int = 1, loss_scaling: bool = False, attention: str | None = None
+    platform: str, compute_dtype: Any, *, num_devices: int = 1, loss_scaling: bool = False, attention: str | None = None,
+    hints: ComputeHints = NO_HINTS,
 ) -> ComputePlan:
     """The plan for a mesh of ``num_devices`` devices of ``platform`` computing in ``compute_dtype``.
 
     ``loss_scaling``: f16 dynamic loss scaling is on (the fused head's cotangent would be cast to
     f16 before it is scaled, so the logits path is kept). ``attention``: one of
-    :data:`ATTENTION_CHOICES`, default ``$LM_PIPELINE_ATTENTION`` or ``auto``.
+    :data:`ATTENTION_CHOICES`, default ``$LM_PIPELINE_ATTENTION`` or ``auto``; a named choice
+    (argument or variable) fails where it cannot apply. ``hints``: the config's Levanter keys
+    (:class:`ComputeHints`): its ``attn_backend`` applies when ``attention`` resolves to ``auto``
+    (the variable overrides the config), never strictly; block sizes and the layer loop apply to
+    whatever form the plan takes.
     """
+    plan = _plan_for(platform, compute_dtype, num_devices, loss_scaling, attention, hints)
+    if hints.attention_block:
+        if plan.attention == "cpu_blocked":
+            plan = dataclasses.replace(plan, attention_block=int(hints.attention_block))
+        else:
+            _say_once("flash_attention_block_size", plan.attention,
+                      f"model.flash_attention_block_size applies to the blocked attention; this plan's attention is "
+                      f"{plan.attention} (no blocks): not used")
+    if hints.head_chunk_rows:
+        if plan.loss == "cpu_fused_head":
+            plan = dataclasses.replace(plan, head_chunk_rows=int(hints.head_chunk_rows))
+        else:
+            _say_once("cross_entropy_block_size", plan.platform,
+                      f"model.cross_entropy_block_size applies to the fused LM head + cross-entropy; this plan computes "
+                      f"full logits on {plan.platform}: not used")
+    if hints.scan_layers is not None:
+        plan = dataclasses.replace(plan, layer_loop="scan" if hints.scan_layers else "unroll")
+    return plan
+
+
+def _plan_for(platform: str, compute_dtype: Any, num_devices: int, loss_scaling: bool, attention: str | None,
+              hints: ComputeHints) -> ComputePlan:
     choice = attention_choice(attention)
+    strict = choice != "auto"
+    if choice == "auto" and hints.attn_backend is not None:
+        choice = levanter_attention(hints.attn_backend, platform)
+    elif strict and hints.attn_backend not in (None, "default"):
+        _say_once("attn_backend-overridden", choice,
+                  f"model.attn_backend: {hints.attn_backend} is overridden by {ATTENTION_ENV}={choice}")
     if choice == "cudnn" and platform != "gpu":
         raise ValueError(f"{ATTENTION_ENV}=cudnn needs a GPU; this mesh's platform is {platform}")
     f32 = jnp.dtype(compute_dtype) == jnp.float32
@@ -211,7 +342,7 @@ def plan_for(
         return ComputePlan(
             platform="cpu",
             attention=_cpu_attention(choice, num_devices),
-            strict_attention=choice == "native",
+            strict_attention=strict and choice == "native",
             matmul="cpu",
             loss="logits" if loss_scaling else "cpu_fused_head",
             remat="cpu_dots" if f32 else "none",
@@ -226,7 +357,7 @@ def plan_for(
     return ComputePlan(
         platform=platform,
         attention="cudnn" if cudnn else "xla",
-        strict_attention=choice == "cudnn",
+        strict_attention=strict and choice == "cudnn",
         unroll_max_layers=ACCELERATOR_UNROLL_MAX_LAYERS,
         vocab_pad_multiple=VOCAB_PAD_MULTIPLE,
         f16_attention_in_f32=False,
@@ -268,22 +399,26 @@ def mesh_platform(mesh: jax.sharding.Mesh) -> str:
 
 
 def plan_for_mesh(
-    mesh: jax.sharding.Mesh, compute_dtype: Any, *, loss_scaling: bool = False, attention: str | None = None
+    mesh: jax.sharding.Mesh, compute_dtype: Any, *, loss_scaling: bool = False, attention: str | None = None,
+    hints: ComputeHints = NO_HINTS,
 ) -> ComputePlan:
     """:func:`plan_for` the platform and size of ``mesh``."""
     return plan_for(
-        mesh_platform(mesh), compute_dtype, num_devices=mesh.size, loss_scaling=loss_scaling, attention=attention
+        mesh_platform(mesh), compute_dtype, num_devices=mesh.size, loss_scaling=loss_scaling, attention=attention,
+        hints=hints,
     )
 
 
-def plan_for_devices(devices: Any, compute_dtype: Any, *, attention: str | None = None) -> ComputePlan:
+def plan_for_devices(devices: Any, compute_dtype: Any, *, attention: str | None = None,
+                     hints: ComputeHints = NO_HINTS) -> ComputePlan:
     """:func:`plan_for` a list of devices (e.g. ``jax.devices()[:1]`` for a one-device evaluation)."""
     devices = list(devices)
-    return plan_for(one_platform(devices), compute_dtype, num_devices=len(devices), attention=attention)
+    return plan_for(one_platform(devices), compute_dtype, num_devices=len(devices), attention=attention, hints=hints)
 
 
 def plan_for_params(params: Any) -> ComputePlan:
     """The plan for one device of the default backend computing in the dtype of ``params``'s
-    first floating-point array (a model called outside a mesh: evaluation, generation)."""
+    first floating-point array (a model called outside a mesh: evaluation, generation), with the
+    hints of the model's config (``params.config``, when it is a model: :func:`hints_from`)."""
     dtype = next(x.dtype for x in jax.tree.leaves(params) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact))
-    return plan_for_devices(jax.devices()[:1], dtype)
+    return plan_for_devices(jax.devices()[:1], dtype, hints=hints_from(getattr(params, "config", None)))

@@ -1,11 +1,18 @@
 """Levanter's config keys that have no field of the same name here: what each does in Levanter
 and what this project does with it.
 
-One table (:data:`LEVANTER_KEYS`) drives three things: the error for a key that is refused
+One table (:data:`LEVANTER_KEYS`) drives four things: the error for a key that is refused
 ("Levanter's `<key>` (what it does) is not supported here: <what to do>"), the one log line for
-a key accepted without effect, and the feature table of ``docs/training.md``. Keys that *are*
-fields here (``data.shuffle``, ``optimizer.type``, ...) carry their own translation in their
-section's ``normalize_raw``; they say what they became through :func:`note`.
+a key accepted without effect, the one log line saying what a *mapped* key became, and the
+feature table of ``docs/training.md``. Keys that *are* fields here (``data.shuffle``,
+``optimizer.type``, ...) carry their own translation in their section's ``normalize_raw``; they
+say what they became through :func:`note`.
+
+Mapped keys (status ``mapped``) tune *how* a step computes, never what: they are non-semantic
+fields of the model config with Levanter's names (:data:`MODEL_COMPUTE_KEYS`; no fingerprint or
+run id holds them) that drive this project's own mechanism, the compute plan
+(``lm_pipeline.compute.hints_from``), wherever a plan is built: training, evaluation,
+generation.
 
 Light on purpose: the schema consults it while parsing, so it imports nothing heavy.
 """
@@ -25,18 +32,22 @@ class LevanterKey:
     """A Levanter key without a same-named field here.
 
     ``path``: dotted, list indices dropped (``trainer.tracker.save_xla_dumps``); ``does``: what it
-    does in Levanter; ``status``: ``no_effect`` (accepted, one log line) or ``refused``;
-    ``here``: for ``no_effect``, why it changes nothing here (or what does its job); for
-    ``refused``, what to do instead.
+    does in Levanter; ``status``: ``mapped`` (a non-semantic field here that drives this project's
+    own mechanism, one log line saying what it became), ``no_effect`` (accepted, one log line) or
+    ``refused``; ``here``: for ``mapped``, what it becomes; for ``no_effect``, why it changes
+    nothing here (or what does its job); for ``refused``, what to do instead.
     """
 
     path: str
     does: str
-    status: Literal["no_effect", "refused"]
+    status: Status
     here: str
 
 
-def _k(path: str, does: str, status: Literal["no_effect", "refused"], here: str) -> LevanterKey:
+Status = Literal["mapped", "no_effect", "refused"]
+
+
+def _k(path: str, does: str, status: Status, here: str) -> LevanterKey:
     return LevanterKey(path, does, status, here)
 
 
@@ -45,15 +56,23 @@ LEVANTER_KEYS: tuple[LevanterKey, ...] = (
     _k("data.cache_options", "batch size, shard groups and flush size of its cache builder", "no_effect",
        "the token cache builder sizes its own batches and flushes; its unit of work is `data.shard_group_size` "
        "shards, and `data.num_workers` sets the tokenizing processes"),
-    _k("model.flash_attention_block_size", "the block size of its flash attention", "no_effect",
-       "the compute plan picks the attention kernel and its blocks for the device (docs/architecture.md, "
-       "one compute seam)"),
-    _k("model.attn_backend", "which attention implementation to use", "no_effect",
-       "the compute plan picks the attention form for the device; `$LM_PIPELINE_ATTENTION` overrides it"),
-    _k("model.cross_entropy_block_size", "the vocabulary block of its blockwise cross-entropy", "no_effect",
-       "the compute plan chooses full logits or the fused LM head + cross-entropy in chunks"),
-    _k("model.scan_layers", "whether the layer stack is a scan", "no_effect",
-       "the compute plan decides how many layers are unrolled; the results are the same"),
+    _k("model.attn_backend", "which attention implementation to use", "mapped",
+       "the compute plan's attention (docs/architecture.md, one compute seam), per device: `vanilla` = `xla` "
+       "(jax.nn.dot_product_attention); `jax_flash` = `blocked` on CPU (query blocks, flash-style backward), cuDNN's "
+       "flash attention on GPU where it applies (else XLA's), XLA's on TPU; `nvte` = cuDNN's fused attention on GPU; "
+       "`splash` = XLA's on TPU; `default`, or a backend without a kernel on the device (one log line), = the plan's "
+       "own choice; never strict (a kernel that does not apply to a call falls back); `$LM_PIPELINE_ATTENTION`, when "
+       "set, overrides it"),
+    _k("model.flash_attention_block_size", "the block size of its flash attention", "mapped",
+       "query rows per block of the blocked attention where the plan's attention is `blocked` (e.g. with "
+       "`attn_backend: jax_flash` on CPU); other attention forms have no blocks (one log line)"),
+    _k("model.cross_entropy_block_size", "the vocabulary block of its blockwise cross-entropy", "mapped",
+       "token rows per chunk of the fused LM head + cross-entropy where the plan uses it (CPU): like Levanter's "
+       "block, it bounds the logits held at once, but chunks split positions here, not the vocabulary; plans with "
+       "full logits (GPU, TPU) do not use it (one log line)"),
+    _k("model.scan_layers", "whether the layer stack is a scan", "mapped",
+       "the compute plan's layer loop: true = always a scan, false = always unrolled (checkpointed stacks too); "
+       "unset = the plan's own rule"),
     _k("model.reference_checkpoint", "the Hugging Face model whose config an export copies", "no_effect",
        "exports write their own config.json from the model section (with `initialize_from_hf: true` it is "
        "the model to start from)"),
@@ -95,6 +114,18 @@ LEVANTER_KEYS: tuple[LevanterKey, ...] = (
 
 _BY_PATH = {k.path: k for k in LEVANTER_KEYS}
 
+#: The mapped model keys: each is a non-semantic field of every model family with Levanter's name
+#: (``lm_pipeline.compute.hints_from`` reads them); the help text of that field.
+MODEL_COMPUTE_KEYS = {
+    "attn_backend": "Levanter's attention backend (default, nvte, splash, jax_flash, vanilla), mapped onto the compute "
+                    "plan's attention for the device (docs/training.md, Levanter's keys); null = the plan's own choice.",
+    "flash_attention_block_size": "Query rows per block of the blocked attention, where the compute plan uses it; "
+                                  "null = its own rule.",
+    "cross_entropy_block_size": "Token rows per chunk of the fused LM head + cross-entropy, where the compute plan uses "
+                                "it; null = about 512.",
+    "scan_layers": "The layer stack as a scan (true) or unrolled (false); null = the compute plan's own rule.",
+}
+
 #: Levanter's model families (``model.type``) that have no implementation here.
 LEVANTER_MODEL_TYPES = {
     "gpt2_hyena": "GPT-2 with Hyena operators instead of attention", "backpack": "Backpack language models",
@@ -113,8 +144,7 @@ def model_type_refusal(kind: str, valid: list[str]) -> str | None:
 
 #: Levanter keys whose value null means "Levanter's default": accepted silently when null.
 NULL_IS_DEFAULT = ("optimizer.cooldown", "optimizer.haps", "optimizer.weight_decay_modules",
-                   "optimizer.default_weight_decay_mask", "model.cross_entropy_block_size",
-                   "model.flash_attention_block_size", "model.attn_backend", "data.vocab_size")
+                   "optimizer.default_weight_decay_mask", "data.vocab_size")
 
 _INDEX = re.compile(r"\[\d+\]")
 _COMPONENT_KEY = re.compile(r"^data\.configs\..+\.([^.]+)$")  # a mixture component's key (names may hold '.')
@@ -144,6 +174,21 @@ def note(path: str, text: str) -> None:
     if path not in _NOTED:
         _NOTED.add(path)
         log.info("%s", text)
+
+
+def mapped(data: dict, section: str) -> dict:
+    """Log once what each mapped key of ``section`` (``model``) given in the raw mapping ``data``
+    becomes; ``attn_backend`` spelled as Levanter's enum (``JAX_FLASH``) is read in lower case."""
+    backend = data.get("attn_backend")
+    if isinstance(backend, str):
+        data["attn_backend"] = backend.strip().lower()
+    for name in MODEL_COMPUTE_KEYS:
+        value = data.get(name)
+        key = _BY_PATH.get(f"{section}.{name}")
+        if value is not None and key is not None:
+            shown = str(value).lower() if isinstance(value, bool) else value
+            note(key.path, f"Levanter's `{key.path}: {shown}` ({key.does}) is mapped here: {key.here}")
+    return data
 
 
 def accept(key: LevanterKey, path: str) -> None:

@@ -118,6 +118,9 @@ STAGE_OF: dict[str, str | None] = {
     **_each("train_ckpt", "data.", "train_weights stop_strategy mixture_block_size"),
     "model[gpt2].gradient_checkpointing": None,
     "model[llama].gradient_checkpointing": None,
+    # how the step computes (Levanter's keys mapped onto the compute plan): same results up to rounding
+    **_each(None, "model[gpt2].", "attn_backend flash_attention_block_size cross_entropy_block_size scan_layers"),
+    **_each(None, "model[llama].", "attn_backend flash_attention_block_size cross_entropy_block_size scan_layers"),
     **_each(None, "trainer.", "per_device_parallelism gradient_accumulation_steps device_memory_gib per_device_eval_parallelism "
             "steps_per_eval max_eval_batches log_every progress id log_dir load_checkpoint "
             "load_checkpoint_path batch_axis fsdp_axis tensor_parallel_axes model_axis_size axis_resources "

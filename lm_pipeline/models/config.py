@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from lm_pipeline.levanter import MODEL_COMPUTE_KEYS as _HOW
 from lm_pipeline.schema import Choice, ConfigError, field
 
 if TYPE_CHECKING:
@@ -122,7 +123,14 @@ CHECKPOINTING_NAMES = {"full": True, "recompute": True, "nested": True, "offload
 
 def _levanter_model_raw(data: dict[str, Any]) -> dict[str, Any]:
     """Levanter's model keys with a meaning here: ``gradient_checkpointing`` by policy name
-    (:data:`CHECKPOINTING_NAMES`)."""
+    (:data:`CHECKPOINTING_NAMES`); the compute plan's keys (``attn_backend``, ...: their log line)."""
+    from lm_pipeline.levanter import mapped
+
+    data = mapped(data, "model")
+    for name in ("flash_attention_block_size", "cross_entropy_block_size"):
+        size = data.get(name)
+        if isinstance(size, int) and not isinstance(size, bool) and size < 1:
+            raise ConfigError(name, f"must be a positive number of rows, got {size}")
     policy = data.get("gradient_checkpointing")
     if isinstance(policy, str):
         if policy not in CHECKPOINTING_NAMES:
@@ -190,6 +198,11 @@ class Gpt2Config(LmConfig):
     scale_attn_by_inverse_layer_idx: bool = field(False, help="Divide attention scores of layer i (0-based) by i + 1.")
     upcast_attn: bool = field(False, help="Compute attention in float32 (HF reorder_and_upcast_attn).")
     gradient_checkpointing: bool = field(True, help="Recompute each block's activations in the backward pass (saves memory, same results). Levanter's policy names: nested, offload, recompute, full = true; save_all = false.", semantic=False)
+    # how, not what (Levanter's keys, mapped onto the compute plan: lm_pipeline.levanter)
+    attn_backend: Literal["default", "nvte", "splash", "jax_flash", "vanilla"] | None = field(None, help=_HOW["attn_backend"], semantic=False)
+    flash_attention_block_size: int | None = field(None, help=_HOW["flash_attention_block_size"], semantic=False)
+    cross_entropy_block_size: int | None = field(None, help=_HOW["cross_entropy_block_size"], semantic=False)
+    scan_layers: bool | None = field(None, help=_HOW["scan_layers"], semantic=False)
     use_bias: bool = field(True, help="Biases in linear layers and LayerNorms.")
 
     @classmethod
@@ -283,6 +296,11 @@ class LlamaConfig(LmConfig):
     use_bias: bool = field(False, help="Biases in the attention and MLP projections (HF attention_bias and mlp_bias).")
     upcast_attn: bool = field(False, help="Compute attention in float32.")
     gradient_checkpointing: bool = field(True, help="Recompute each block's activations in the backward pass (saves memory, same results). Levanter's policy names: nested, offload, recompute, full = true; save_all = false.", semantic=False)
+    # how, not what (Levanter's keys, mapped onto the compute plan: lm_pipeline.levanter)
+    attn_backend: Literal["default", "nvte", "splash", "jax_flash", "vanilla"] | None = field(None, help=_HOW["attn_backend"], semantic=False)
+    flash_attention_block_size: int | None = field(None, help=_HOW["flash_attention_block_size"], semantic=False)
+    cross_entropy_block_size: int | None = field(None, help=_HOW["cross_entropy_block_size"], semantic=False)
+    scan_layers: bool | None = field(None, help=_HOW["scan_layers"], semantic=False)
     rope_scaling: RopeScaling | None = field(None, help="Scaled rotary embeddings (type: linear, llama3 or yarn, and their keys as transformers' rope_parameters), exported to config.json's rope_parameters; null = the plain rope. Levanter's `rope: {type, theta, ...}` is rope_theta plus this.", hashed_at_default=False)
     use_layer_norm_weight: bool = field(True, help="RMSNorms scale by a learned weight; false = no scale (Levanter's OLMo-style norms; the weight stays at ones, so exports load in transformers unchanged).", hashed_at_default=False)
 

@@ -428,7 +428,8 @@ def scan_blocks(
     rematerialised in the backward pass, saving only the residual stream between layers
     (policy ``nothing_saveable``: activation memory O(layers x B x T x D)). Otherwise the plan's
     remat policy, if any, wraps each layer, and without one the plan says whether the stack is
-    unrolled (same results; see :class:`~lm_pipeline.compute.ComputePlan`).
+    unrolled (same results; see :class:`~lm_pipeline.compute.ComputePlan`); a rematerialised stack
+    is unrolled only when the plan says so (Levanter's ``scan_layers: false``).
     """
     policy = plan.remat_policy()
     if checkpoint:
@@ -449,9 +450,9 @@ def scan_blocks(
         p, extra = inputs
         return apply(eqx.combine(p, static), h, extra)
 
-    unroll: bool | int = 1
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        unroll = plan.unroll_rematerialized(num_layers)
     else:
         unroll = plan.unroll(num_layers)
     return jax.lax.scan(body, x, (params, xs), unroll=unroll)

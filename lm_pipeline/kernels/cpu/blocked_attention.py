@@ -38,30 +38,37 @@ MIN_BLOCK = 64  # query rows per block: smaller blocks cost more per-op overhead
 MAX_BLOCKS = 8
 
 
-def num_query_blocks(t: int) -> int:
-    """How many query blocks a length-``t`` sequence is split into (1 = no splitting)."""
-    return max(1, min(MAX_BLOCKS, t // MIN_BLOCK))
+def num_query_blocks(t: int, block: int | None = None) -> int:
+    """How many query blocks a length-``t`` sequence is split into (1 = no splitting): blocks of
+    ``block`` rows when given (Levanter's ``flash_attention_block_size``), else at least
+    :data:`MIN_BLOCK` rows and at most :data:`MAX_BLOCKS` blocks."""
+    return len(query_blocks(t, block))
 
 
-def _bounds(t: int, n: int) -> list[tuple[int, int]]:
-    size = -(-t // n)
-    return [(s, min(t, s + size)) for s in range(0, t, size)]
+def query_blocks(t: int, block: int | None = None) -> tuple[tuple[int, int], ...]:
+    """The ``[start, end)`` query rows of each block (see :func:`num_query_blocks`)."""
+    if block is not None and block < 1:
+        raise ValueError(f"the attention block must be at least 1 row, got {block}")
+    size = block if block else -(-t // max(1, min(MAX_BLOCKS, t // MIN_BLOCK)))
+    return tuple((s, min(t, s + size)) for s in range(0, t, size))
 
 
 def blocked_causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, scale: float | jax.Array
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, scale: float | jax.Array,
+    *, block: int | None = None,
 ) -> jax.Array:
     """Causal attention. q ``[B, T, N, H]``, k/v ``[B, T, K, H]`` (K divides N) -> ``[B, T, N, H]``.
 
     ``mask``: None, or a boolean array broadcastable to ``[B, 1, T, T]`` combined (and) with the
     causal mask, e.g. :func:`lm_pipeline.models.layers.segment_mask`; every query row must
     keep at least one key. Scores, softmax and accumulation run in float32; the output has
-    q's dtype. ``scale`` may be a traced scalar (it gets no gradient).
+    q's dtype. ``scale`` may be a traced scalar (it gets no gradient). ``block``: query rows per
+    block (None: :func:`query_blocks`' own rule).
     """
     t, kh = q.shape[1], k.shape[2]
     if k.shape[1] != t:
         raise ValueError(f"blocked_causal_attention is self-attention: {t} queries, {k.shape[1]} keys")
-    blocks = tuple(_bounds(t, num_query_blocks(t)))
+    blocks = query_blocks(t, block)
     m = None if mask is None else jnp.broadcast_to(mask, (mask.shape[0], 1, t, t))
     scale = jnp.asarray(scale, F32)
     return _attend(q, k, v, m, scale, blocks, kh)

@@ -24,21 +24,25 @@ HEAD_CHUNK_ROWS = 512
 and cotangent stay small enough to be reused from cache."""
 
 
-def head_chunks(batch: int, seq_len: int) -> tuple[tuple[int, int], ...]:
-    """The ``[start, end)`` position ranges a sequence is split into: about
-    :data:`HEAD_CHUNK_ROWS` rows (``batch x positions``) each."""
-    n = max(1, min(seq_len, round(batch * seq_len / HEAD_CHUNK_ROWS)))
+def head_chunks(batch: int, seq_len: int, rows: int | None = None) -> tuple[tuple[int, int], ...]:
+    """The ``[start, end)`` position ranges a sequence is split into: about ``rows`` (default
+    :data:`HEAD_CHUNK_ROWS`) token rows (``batch x positions``) each."""
+    if rows is not None and rows < 1:
+        raise ValueError(f"the head's chunk must be at least 1 row, got {rows}")
+    n = max(1, min(seq_len, round(batch * seq_len / (rows or HEAD_CHUNK_ROWS))))
     size = -(-seq_len // n)
     return tuple((s, min(seq_len, s + size)) for s in range(0, seq_len, size))
 
 
-def fused_head_xent_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+def fused_head_xent_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array, *,
+                        chunk_rows: int | None = None) -> jax.Array:
     """``sum(mask * cross_entropy(hidden @ headᵀ, targets))`` in f32 nats.
 
     ``targets`` int ``[B, T]`` and ``mask`` f32 ``[B, T]`` get no gradient; ``hidden`` and
-    ``head`` get exact gradients up to float rounding.
+    ``head`` get exact gradients up to float rounding. ``chunk_rows``: token rows per chunk
+    (None: :data:`HEAD_CHUNK_ROWS`; Levanter's ``cross_entropy_block_size``).
     """
-    return _fused_head_xent(hidden, head, targets, mask, head_chunks(*targets.shape))
+    return _fused_head_xent(hidden, head, targets, mask, head_chunks(*targets.shape, rows=chunk_rows))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
