@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from lm_pipeline.batch import LmBatch, SequenceDataset, device_put_batch
-from lm_pipeline.compute import REFERENCE, ComputePlan, plan_for_mesh
+from lm_pipeline.compute import REFERENCE, ComputePlan, hints_from, plan_for_mesh
 from lm_pipeline.models.base import LmModel
 from lm_pipeline.train.config import Precision, TrainerConfig
 from lm_pipeline.train.loss import model_loss_sums, training_loss_sums
@@ -177,8 +177,8 @@ def build_step_functions(
 ) -> StepFunctions:
     """Jitted init / train / eval functions with explicit shardings.
 
-    ``compute``: how the model computes; by default decided once from the mesh
-    (:func:`lm_pipeline.compute.plan_for_mesh`).
+    ``compute``: how the model computes; by default decided once from the mesh and the model
+    config's hints (:func:`lm_pipeline.compute.plan_for_mesh`, :func:`~lm_pipeline.compute.hints_from`).
     """
     precision: Precision = trainer_cfg.precision
     sizes = trainer_cfg.batch_schedule.distinct_sizes
@@ -189,7 +189,8 @@ def build_step_functions(
                  f" (batch {size})" if len(sizes) > 1 else "", a, m, m // plan.data_size)
     micro, accum = splits[first]
     if compute is None:
-        compute = plan_for_mesh(plan.mesh, precision.compute, loss_scaling=precision.uses_loss_scaling)
+        compute = plan_for_mesh(plan.mesh, precision.compute, loss_scaling=precision.uses_loss_scaling,
+                                hints=hints_from(model_cfg))
     lay = _layout(model_cfg, opt_cfg, precision, vocab_size, num_train_steps, plan)
     dropout_active = any(getattr(model_cfg, n, 0.0) > 0 for n in ("embed_pdrop", "resid_pdrop", "attn_pdrop"))
     ctx = _StepContext(lay, compute, precision, micro, accum, plan, dropout_active, trainer_cfg.z_loss_weight,
