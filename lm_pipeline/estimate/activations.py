@@ -34,7 +34,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from lm_pipeline.compute import REFERENCE, ComputePlan, plan_for
+from lm_pipeline.compute import REFERENCE, ComputePlan, hints_from, plan_for
 from lm_pipeline.estimate.parameters import abstract_model, is_array_like
 from lm_pipeline.estimate.result import Activations
 
@@ -139,7 +139,7 @@ def activations(model_cfg: LmConfig, vocab: int, batch: int, compute_dtype: str,
     from lm_pipeline.kernels.cpu.blocked_attention import num_query_blocks
 
     cfg = dataclasses.replace(model_cfg, gradient_checkpointing=remat)
-    plan = plan_for(platform, compute_dtype, num_devices=1)
+    plan = plan_for(platform, compute_dtype, num_devices=1, hints=hints_from(model_cfg))
     layers = model_cfg.num_layers
     mlp = tuple(d for d in (getattr(model_cfg, "mlp_dim", None), getattr(model_cfg, "intermediate_dim", None)) if d)
     on_cpu = platform == "cpu"
@@ -153,7 +153,7 @@ def activations(model_cfg: LmConfig, vocab: int, batch: int, compute_dtype: str,
     # takes the native kernel (its f32 inputs and residuals are counted as they are) or XLA's
     # path (one query block); with the blocked attention they measured f32 too.
     unrolled = (on_cpu and not remat and plan.remat_policy() is None and plan.unroll(layers)
-                and (plan.attention == "cpu_native" or num_query_blocks(model_cfg.seq_len) == 1))
+                and (plan.attention == "cpu_native" or num_query_blocks(model_cfg.seq_len, plan.attention_block or None) == 1))
 
     def saved(num_layers: int, remat_: bool, only_attention: bool, p: ComputePlan) -> _Saved:
         c = dataclasses.replace(cfg, num_layers=num_layers, gradient_checkpointing=remat_)
