@@ -74,9 +74,10 @@ CHAT_FORMAT_KEYS = ("messages_field", "chat_template", "single_turn", "pack", "m
 
 @dataclass(frozen=True)
 class ChatFormatConfig:
-    """A chat-formatted source (Levanter's ``format: {type: chat}``): each record holds a
-    conversation, rendered through a chat template; the loss is taken on the assistant's tokens.
-    See own-data.md#chat-formatted-sources."""
+    """A chat-formatted source (Levanter's ``format: {type: chat}``); see own-data.md#chat-formatted-sources.
+
+    Each record holds a conversation, rendered through a chat template; the loss is taken on the
+    assistant's tokens."""
 
     messages_field: str = field("messages", help="Key of the record's list of messages ({role, content}).")
     chat_template: str | None = field(None, help="The Jinja chat template (transformers' format); the assistant's text marked with {% generation %}...{% endgeneration %} for mask_user_turns. null = the tokenizer's own (tokenizer_config.json's chat_template, or chat_template.jinja in its directory); a BPE trained here has none.")
