@@ -44,11 +44,14 @@ def auto_micro_batch(
     or even a micro-batch of 1 does not fit.
     """
     data_size = num_devices // cfg.trainer.model_axis_size
-    candidates = micro_batch_candidates(cfg.trainer.train_batch_size, data_size)
+    sizes = cfg.trainer.batch_schedule.distinct_sizes  # a batch-size schedule: a micro-batch that splits each size
+    candidates = sorted(set.intersection(*(set(micro_batch_candidates(b, data_size)) for b in sizes)))
     if not candidates:
         from lm_pipeline.train.batch_split import batch_split_problem
 
-        where, why = batch_split_problem(cfg.trainer.train_batch_size, data_size=data_size) or ("train_batch_size", "")
+        where, why = next((p for b in sizes if (p := batch_split_problem(b, data_size=data_size))),
+                          ("train_batch_size", f"no micro-batch per device splits every batch size of {sizes} over "
+                           f"{data_size} data-parallel devices; give per_device_parallelism"))
         raise ConfigError(f"trainer.{where}", why)
     smallest = None
     for m in reversed(candidates):

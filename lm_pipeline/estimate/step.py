@@ -68,7 +68,7 @@ def estimate(
         num_devices=num_devices,
         data_size=data_size,
         model_size=tc.model_axis_size,
-        train_batch_size=tc.train_batch_size,
+        train_batch_size=tc.batch_schedule.max_size,  # a batch-size schedule: its largest batch, the peak
         micro_batch_per_device=micro,
         accum_steps=accum,
         param_dtype=mem.param_dtype,
@@ -81,7 +81,7 @@ def estimate(
         grad_accumulator=mem.gradients if accum > 1 else 0,
         compute_copy=mem.compute_copy,
         backward_gradients=mem.backward_gradients,
-        batch=_batch_bytes(tc.train_batch_size, data_size, mc.seq_len, segments),
+        batch=_batch_bytes(tc.batch_schedule.max_size, data_size, mc.seq_len, segments),
         update_buffer=mem.gradients if on_cpu else 0,  # fused into the update on accelerators
         activations_remat=acts[True],
         activations_no_remat=acts[False],
@@ -101,9 +101,11 @@ def _data_parallel_size(num_devices: int, model_axis_size: int) -> int:
 
 
 def _micro_batching(trainer_cfg: Any, data_size: int, micro_batch_per_device: int | None) -> tuple[int, int]:
-    """(sequences per device per micro-batch, micro-batches accumulated per step)."""
+    """(sequences per device per micro-batch, micro-batches accumulated per step) of the largest
+    batch (a batch-size schedule's peak)."""
     per = trainer_cfg.per_device_parallelism if micro_batch_per_device is None else micro_batch_per_device
-    return trainer_cfg.micro_batching(data_size, per if isinstance(per, int) else None)
+    return trainer_cfg.micro_batching(data_size, per if isinstance(per, int) else None,
+                                      trainer_cfg.batch_schedule.max_size)
 
 
 def _batch_bytes(train_batch_size: int, data_size: int, seq_len: int, segments: bool) -> int:

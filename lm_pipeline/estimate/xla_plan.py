@@ -23,7 +23,7 @@ def compiled_step_bytes(cfg: RunConfig, vocab_size: int, *, segments: bool = Fal
     plan = make_mesh(cfg.trainer, jax.devices()[:1])
     fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=vocab_size, num_train_steps=10,
                                plan=plan, has_segments=segments)
-    tokens = jax.ShapeDtypeStruct((cfg.trainer.train_batch_size, cfg.model.seq_len), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((fns.batch_rows, cfg.model.seq_len), jnp.int32)  # train_step's batch
     with jax.set_mesh(plan.mesh):
         compiled = fns.train_step.lower(fns.abstract_state, tokens, tokens if segments else None).compile()
     return planned_bytes(compiled)

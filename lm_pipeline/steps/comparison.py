@@ -51,7 +51,8 @@ def experiment_row(name: str, pipe) -> dict[str, Any]:
     step = train.manifest.get("summary", {}).get("final_step")
     row.update(step=step, train_ckpt=train.fingerprint, train_seconds=train.manifest.get("train_seconds"))
     if step is not None:
-        row["train_tokens"] = int(step) * pipe.cfg.trainer.train_batch_size * pipe.cfg.model.seq_len
+        # the rows of the steps before `step` (a batch-size schedule's sizes summed) x seq_len
+        row["train_tokens"] = pipe.cfg.trainer.batch_schedule.offset_at(int(step)) * pipe.cfg.model.seq_len
     report = pipe.cached("eval_report")
     if report is not None:
         sets = report.manifest.get("rows") or []
