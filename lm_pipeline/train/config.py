@@ -148,9 +148,9 @@ class TrainerConfig:
     train_tokens: int | None = field(None, help="Run length as a token budget, converted to steps (rounded up).")
     max_epochs: float | None = field(None, help="A cap on passes over the training data (Levanter's top-level `epoch`): the run stops at its length or after this many epochs, whichever comes first; null = no cap.", hashed_at_default=False)
     z_loss_weight: float = field(0.0, help="Weight of the auxiliary z-loss (Levanter's top-level `z_loss_weight`, PaLM's 1e-4): adds z_loss_weight * mean(logsumexp(logits)^2) over the target tokens to the training loss; 0 = none. Reported losses stay the cross-entropy.", hashed_at_default=False)
-    # A schedule's entries are BatchStep values, made by normalize_raw from Levanter's mappings (its
-    # one-line problems name each entry), so the declared type leaves them as they are.
-    train_batch_size: int | tuple[Any, ...] = field(32, help="Global batch size in sequences: all devices and all accumulated micro-batches of one step (Levanter's batch_size; LLM-Trainer's per-device batch_size is per_device_batch_size); or Levanter's batch-size schedule, a list of {start: STEP, value: SIZE} (first start 0, starts increasing): each step reads the next SIZE rows.", aliases=("batch_size",))
+    # A schedule: mappings {start, value} checked by normalize_raw (one-line problems naming each
+    # entry), held as BatchStep values (hashable) from __post_init__ on.
+    train_batch_size: int | tuple[dict[str, int], ...] = field(32, help="Global batch size in sequences: all devices and all accumulated micro-batches of one step (Levanter's batch_size; LLM-Trainer's per-device batch_size is per_device_batch_size); or Levanter's batch-size schedule, a list of {start: STEP, value: SIZE} (first start 0, starts increasing): each step reads the next SIZE rows.", aliases=("batch_size",))
     per_device_parallelism: int | Literal["auto"] = field(
         -1,
         help="Sequences per device per micro-batch; -1 = the whole batch (no gradient accumulation); 'auto' = the largest "
@@ -222,7 +222,9 @@ class TrainerConfig:
             if problems:
                 raise_problems([ConfigError(where, why) for where, why in problems])
             if key in data:
-                data[key] = normalize_schedule(data[key])
+                value = normalize_schedule(data[key])
+                data[key] = value if isinstance(value, int) or not isinstance(value, tuple) else [
+                    {"start": e.start, "value": e.value} for e in value]
         tracker = data.get("tracker")
         if isinstance(tracker, dict):
             tracker = [tracker]
