@@ -252,3 +252,31 @@ def test_levanter_schedule_as_written_loads():
     s = tc.batch_schedule
     assert [s.batch_size_at(k) for k in (0, 63, 64, 255, 256, 1023, 1024, 5000)] == [64, 64, 128, 128, 64, 64, 256, 256]
     assert s.offset_at(1024) == 64 * 64 + 192 * 128 + 768 * 64 == sum(sizes_by_brute_force(raw["train_batch_size"], 1024))
+
+
+def test_processes_read_contiguous_slices_that_make_up_the_step():
+    from lm_pipeline.batch import StepBatchSource
+    from lm_pipeline.train.batch_schedule import ScheduledBatchSource, scheduled_mixture
+
+    tc = load_config(None, {"trainer.train_batch_size": SCHEDULE}).trainer
+    data = ArrayDataset(np.arange(ROWS * SEQ), SEQ)
+    order = StepBatchSource(data, 1, 0)
+    parts = [ScheduledBatchSource(order, tc.batch_schedule, process_index=i, process_count=2) for i in range(2)]
+    for k, positions in enumerate(positions_by_brute_force(SCHEDULE, 8)):
+        want = epoch_rows(positions, ROWS)
+        assert [int(r) for p in parts for r in p.local_indices(k)] == want
+        assert [int(r) for r in parts[0].global_indices(k)] == want
+        np.testing.assert_array_equal(np.concatenate([p.batch(k).tokens for p in parts]), data.rows[want])
+    cfg = load_config(None, {"data.configs": {"a": {"train_urls": ["a.jsonl"]}, "b": {"train_urls": ["b.jsonl"]}},
+                             "data.train_weights": {"a": 0.5, "b": 0.5}, "data.mixture_block_size": 4})
+    sets = {"a": ArrayDataset(np.arange(17 * SEQ), SEQ), "b": ArrayDataset(1000 + np.arange(11 * SEQ), SEQ)}
+    mixed = [scheduled_mixture(cfg.data, sets, tc.batch_schedule, 0, process_index=i, process_count=2)
+             for i in range(2)]
+    with pytest.raises(ValueError, match="batch size 4 of the schedule is not divisible by process_count 3"):
+        scheduled_mixture(cfg.data, sets, load_config(None, {"trainer.train_batch_size": [
+            {"start": 0, "value": 6}, {"start": 1, "value": 4}]}).trainer.batch_schedule, 0, process_count=3)
+    reference = MixtureBatchSource(sets, {"a": 0.5, "b": 0.5}, 4, 0, block_size=4)  # one phase: rows by position
+    for k, positions in enumerate(positions_by_brute_force(SCHEDULE, 8)):
+        component, rows = reference.rows_at(positions)
+        want = np.stack([sets[reference.names[c]].rows[r] for c, r in zip(component, rows, strict=True)])
+        np.testing.assert_array_equal(np.concatenate([m.batch(k).tokens for m in mixed]), want)

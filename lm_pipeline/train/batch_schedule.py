@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from lm_pipeline.batch import LmBatch, StepBatchSource
+from lm_pipeline.data.mixture import MixtureBatchSource, weight_phases
 from lm_pipeline.schema import field
 
 
@@ -104,7 +106,7 @@ class BatchSchedule:
         if isinstance(spec, int):
             spec = (BatchStep(0, spec),)
         steps = tuple(spec)
-        if not steps or steps[0].start != 0 or any(b.start <= a.start for a, b in zip(steps, steps[1:])):
+        if not steps or steps[0].start != 0 or any(b.start <= a.start for a, b in zip(steps, steps[1:], strict=False)):
             raise ValueError(f"a batch-size schedule starts at step 0 and its starts increase, got {steps}")
         if any(s.value < 1 for s in steps):
             raise ValueError(f"batch sizes must be >= 1, got {steps}")
@@ -176,86 +178,85 @@ def check_processes(schedule: BatchSchedule, process_count: int) -> None:
             raise ValueError(f"batch size {size} of the schedule is not divisible by process_count {process_count}")
 
 
+def local_positions(schedule: BatchSchedule, step: int, process_index: int, process_count: int) -> np.ndarray:
+    """Process ``process_index``'s contiguous slice of the positions step ``step`` reads."""
+    pos = schedule.positions(step)
+    per = len(pos) // process_count
+    return pos[process_index * per:(process_index + 1) * per]
+
+
 class ScheduledBatchSource:
-    """Batches of a batch-size schedule, indexed by step, over a row order given by position.
+    """Batches of a batch-size schedule over one dataset, indexed by step: step ``k`` reads the
+    rows at positions ``schedule.positions(k)`` of ``order``'s row order (a
+    :class:`lm_pipeline.batch.StepBatchSource`, whose ``rows_at`` does not depend on its batch
+    size); with ``process_count > 1`` each process reads its contiguous slice. Used by the training
+    loop like a ``StepBatchSource`` (``batch(step)``, ``seq_len``)."""
 
-    ``order``: a :class:`lm_pipeline.batch.StepBatchSource` (its ``rows_at`` and dataset) or a
-    :class:`lm_pipeline.data.mixture.MixtureBatchSource` built with batch size 1 and its phases at
-    their rows (:func:`scheduled_mixture`); either way ``order.rows_at(positions)`` names the rows of
-    the run's positions, independent of the batch size. Step ``k`` reads positions
-    ``schedule.positions(k)``; with ``process_count > 1`` each process reads its contiguous slice.
-    Used by the training loop like a ``StepBatchSource`` (``batch(step)``, ``seq_len``).
-    """
-
-    def __init__(self, order: Any, schedule: BatchSchedule, *, process_index: int = 0, process_count: int = 1):
+    def __init__(self, order: StepBatchSource, schedule: BatchSchedule, *, process_index: int = 0,
+                 process_count: int = 1):
         check_processes(schedule, process_count)
         self.order = order
         self.schedule = schedule
         self.process_index = process_index
         self.process_count = process_count
-        self._mixture = hasattr(order, "mixture")
 
     @property
     def seq_len(self) -> int:
         return self.order.seq_len
 
-    def batch_size_at(self, step: int) -> int:
-        return self.schedule.batch_size_at(step)
-
-    def local_positions(self, step: int) -> np.ndarray:
-        """This process's positions of step ``step``."""
-        pos = self.schedule.positions(step)
-        per = len(pos) // self.process_count
-        return pos[self.process_index * per:(self.process_index + 1) * per]
-
     def global_indices(self, step: int) -> np.ndarray:
-        """The rows of the whole global batch of ``step`` (a mixture: (component ids, rows))."""
+        """The rows of the whole global batch of ``step``."""
         return self.order.rows_at(self.schedule.positions(step))
+
+    def local_indices(self, step: int) -> np.ndarray:
+        """The rows of this process's slice of the global batch of ``step``."""
+        return self.order.rows_at(local_positions(self.schedule, step, self.process_index, self.process_count))
+
+    def batch(self, step: int) -> LmBatch:
+        """This process's slice of the global batch for ``step`` (reads only those rows)."""
+        return self.order.dataset.get_many(self.local_indices(step))
+
+
+class ScheduledMixtureSource(MixtureBatchSource):
+    """A mixture's batches under a batch-size schedule: the mixture's draw by position (built with
+    batch size 1, its phases given at their rows), step ``k`` reading positions
+    ``schedule.positions(k)``; reading and mixing the components' rows is the mixture's own
+    (:meth:`MixtureBatchSource.batch` over :meth:`local_rows`). Made by :func:`scheduled_mixture`."""
+
+    def __init__(self, datasets: Mapping[str, Any], phases: Any, schedule: BatchSchedule, seed: int, *,
+                 process_index: int = 0, process_count: int = 1, **kwargs: Any):
+        check_processes(schedule, process_count)
+        super().__init__(datasets, phases, 1, seed, **kwargs)  # positions are rows: batch size 1
+        self.schedule = schedule
+        self.process_index, self.process_count = process_index, process_count
+
+    @property
+    def local_batch_size(self) -> int:
+        raise AttributeError("a batch-size schedule has no one batch size: use schedule.batch_size_at(step)")
 
     @property
     def num_steps(self) -> int | None:
-        """A mixture's full steps under its stop strategy (None: no end); None for one source."""
-        if not self._mixture:
-            return None
-        rows, _ = self.order.length()
+        """Full steps under the stop strategy (None: no end, ``restart``)."""
+        rows, _ = self.length()
         return None if rows is None else self.schedule.full_steps_within(rows)
 
-    def batch(self, step: int):
-        """This process's slice of the global batch for ``step`` (reads only those rows)."""
-        from lm_pipeline.batch import LmBatch
+    def global_rows(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        self._check_step(step)
+        return self.rows_at(self.schedule.positions(step))
 
-        pos = self.local_positions(step)
-        if not self._mixture:
-            return self.order.dataset.get_many(self.order.rows_at(pos))
-        end = self.num_steps
-        if end is not None and step >= end:
-            raise IndexError(f"step {step} is past the mixture's end ({end} steps under its stop strategy)")
-        component, rows = self.order.rows_at(pos)
-        tokens = segments = None
-        for c in np.unique(component).tolist():
-            sel = np.flatnonzero(component == c)
-            part = self.order.datasets[c].get_many(rows[sel])
-            if tokens is None:
-                tokens = np.empty((len(rows), *part.tokens.shape[1:]), part.tokens.dtype)
-                if part.segment_ids is not None:
-                    segments = np.empty((len(rows), *part.segment_ids.shape[1:]), part.segment_ids.dtype)
-            if (part.segment_ids is None) != (segments is None):
-                raise ValueError("the components differ in packing: some rows have segment ids, some not")
-            tokens[sel] = part.tokens
-            if segments is not None:
-                segments[sel] = part.segment_ids
-        return LmBatch(tokens, segments)
+    def local_rows(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        self._check_step(step)
+        return self.rows_at(local_positions(self.schedule, step, self.process_index, self.process_count))
 
 
-def scheduled_mixture(cfg: Any, datasets: Mapping[str, Any], schedule: BatchSchedule, seed: int):
-    """The row order of data section ``cfg``'s mixture for a batch-size schedule: a
-    :class:`~lm_pipeline.data.mixture.MixtureBatchSource` of batch size 1 whose phases start at the
-    rows ``schedule.offset_at(step)`` of the steps ``train_weights`` gives them (Levanter's
+def scheduled_mixture(cfg: Any, datasets: Mapping[str, Any], schedule: BatchSchedule, seed: int, *,
+                      process_index: int = 0, process_count: int = 1) -> ScheduledMixtureSource:
+    """The batches of data section ``cfg``'s mixture under a batch-size schedule; the phases of
+    ``train_weights`` given at step ``s`` start at row ``schedule.offset_at(s)`` (Levanter's
     rescaling of a mixture's schedule to a batch schedule)."""
-    from lm_pipeline.data.mixture import MixtureBatchSource, weight_phases
-
     ordered = {name: datasets[name] for name in cfg.configs if name in datasets}
     phases = [(schedule.offset_at(step), {n: w for n, w in weights.items() if n in ordered or w > 0})
               for step, weights in weight_phases(cfg.train_weights)[0]]
-    return MixtureBatchSource(ordered, phases, 1, seed, block_size=cfg.mixture_block_size,
-                              stop_strategy=cfg.stop_strategy, shuffle=cfg.shuffle, era_length=cfg.era_length)
+    return ScheduledMixtureSource(ordered, phases, schedule, seed, process_index=process_index,
+                                  process_count=process_count, block_size=cfg.mixture_block_size,
+                                  stop_strategy=cfg.stop_strategy, shuffle=cfg.shuffle, era_length=cfg.era_length)

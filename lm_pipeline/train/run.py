@@ -30,7 +30,12 @@ from lm_pipeline.fingerprint import fingerprint
 from lm_pipeline.hf.start import hf_source_files as _hf_source_files
 from lm_pipeline.hf.start import model_vocab_size
 from lm_pipeline.schema import ConfigError, to_dict
-from lm_pipeline.train.batch_schedule import BatchSchedule, ScheduledBatchSource, scheduled_mixture
+from lm_pipeline.train.batch_schedule import (
+    BatchSchedule,
+    ScheduledBatchSource,
+    ScheduledMixtureSource,
+    scheduled_mixture,
+)
 from lm_pipeline.train.checkpoint import Checkpointer, latest_checkpoint
 from lm_pipeline.train.optim import all_finite
 from lm_pipeline.train.runlog import setup_logging
@@ -225,32 +230,17 @@ def _prepare(cfg: RunConfig, train_data: SequenceDataset | Mapping[str, Sequence
 
 
 def _scheduled_source(cfg: RunConfig, train_data: SequenceDataset | Mapping[str, SequenceDataset]
-                      ) -> tuple[ScheduledBatchSource, int]:
+                      ) -> tuple[ScheduledBatchSource | ScheduledMixtureSource, int]:
     """The batch source and length of a run with a batch-size schedule: step k reads the rows at
     positions [offset(k), offset(k) + size(k)) of the row order a fixed-batch run has."""
     tc, schedule = cfg.trainer, cfg.trainer.batch_schedule
-    if isinstance(train_data, Mapping):
-        from lm_pipeline.data.mixture import length_problems
-
-        for where, problem in length_problems(tc):
-            raise ConfigError(where, problem)
-        order = scheduled_mixture(cfg.data, train_data, schedule, tc.seed)
-    else:
-        order = StepBatchSource(train_data, 1, tc.seed, shuffle=cfg.data.shuffle, era_length=cfg.data.era_length)
-    source = ScheduledBatchSource(order, schedule, process_index=jax.process_index(),
-                                  process_count=jax.process_count())
-    if isinstance(train_data, Mapping):
-        num_steps, end = tc.resolve_num_steps(None, order.seq_len), source.num_steps
-        if end is not None and end < num_steps:
-            if end == 0:
-                raise ConfigError("data.stop_strategy", f"{cfg.data.stop_strategy}: a component runs out before the "
-                                  "first batch is full; use restart or more data")
-            log.info("mixture: stop_strategy %s ends the run at step %d, before num_train_steps %d",
-                     cfg.data.stop_strategy, end, num_steps)
-            num_steps = end
-    else:
-        num_steps = tc.resolve_num_steps(_num_rows(train_data, cfg), order.seq_len)
-    return source, num_steps
+    procs = {"process_index": jax.process_index(), "process_count": jax.process_count()}
+    if isinstance(train_data, Mapping):  # a mixture: its phases start at the rows of their steps
+        source = scheduled_mixture(cfg.data, train_data, schedule, tc.seed, **procs)
+        return source, mixture_num_steps(source, tc, source.seq_len)
+    order = StepBatchSource(train_data, 1, tc.seed, shuffle=cfg.data.shuffle, era_length=cfg.data.era_length)
+    return (ScheduledBatchSource(order, schedule, **procs),
+            tc.resolve_num_steps(_num_rows(train_data, cfg), order.seq_len))
 
 
 def _num_rows(train_data: SequenceDataset, cfg: RunConfig) -> int:
