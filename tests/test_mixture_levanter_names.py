@@ -119,9 +119,14 @@ def test_levanter_formats_and_vocab_size(tmp_path):
             "data.train_weights": {"t": 1}}
     assert load_config(None, base).data.configs["t"].text_key == "body"
     chat = {**base, "data.configs": {"t": {"id": "org/chat", "format": {"type": "chat"}}}}
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ConfigError) as info:  # chat is trained (test_chat_format.py); a BPE has no template
         load_config(None, chat)
-    assert str(info.value).startswith("config field 'data.configs.t.format': Levanter's `format: {type: chat}`")
+    assert str(info.value).startswith("config field 'data.configs.t.chat.chat_template': is needed")
+    assert "\n" not in str(info.value)
+    supervised = {**base, "data.configs": {"t": {"id": "org/sft", "format": {"type": "supervised"}}}}
+    with pytest.raises(ConfigError) as info:
+        load_config(None, supervised)
+    assert str(info.value).startswith("config field 'data.configs.t.format': Levanter's `format: {type: supervised}`")
     assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match=r"'data\.vocab_size': Levanter's `data\.vocab_size`"):
         load_config(None, {**base, "data.vocab_size": 50257})
