@@ -221,6 +221,10 @@ def test_schedule_enters_the_fingerprint_and_a_plain_size_keeps_its_own():
     a = semantic_view(load_config(None, {"trainer.train_batch_size": SCHEDULE}).trainer)
     b = semantic_view(load_config(None, {"trainer.batch_size": [{"start": 0, "value": 4}, {"start": 3, "value": 8}]}).trainer)
     assert a["train_batch_size"] == SCHEDULE and len({str(plain), str(a), str(b)}) == 3
+    # the run's id (train(...) without one; the pipeline's train_ckpt address hashes the same semantics)
+    ids = [run_module.run_id_for(load_config(None, {"trainer.train_batch_size": v}), "data")
+           for v in (64, [{"start": 0, "value": 64}], SCHEDULE)]
+    assert ids[0] == ids[1] != ids[2]
 
 
 def test_config_problems_of_a_schedule_are_reported_together_naming_each_entry():
