@@ -45,6 +45,9 @@ EXPECTED_SEMANTIC = {
         "hf_name", "hf_split", "hf_validation_split", "hf_revision", "hf_data_files", "hf_streaming", "hf_shard_rows",
         "builtin", "builtin_max_bytes", "builtin_validation_fraction", "min_length", "on_invalid")},
     "data.configs.cache_dir": False,
+    # a chat source (format: {type: chat}), the section's own or a component's: reading and rendering
+    **{f"{where}.chat.{f}": True for where in ("data", "data.configs") for f in (
+        "messages_field", "chat_template", "single_turn", "pack", "mask_user_turns")},
     # model families
     **{f"model[gpt2].{f}": True for f in (
         "type", "seq_len", "hidden_dim", "num_layers", "num_heads", "mlp_scale", "initializer_range", "embed_pdrop",
