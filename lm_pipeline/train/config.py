@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lm_pipeline.levanter import TRAINER_PROFILER_KEYS as _PROFILER
 from lm_pipeline.schema import ConfigError, field, raise_problems
 from lm_pipeline.train.batch_schedule import BatchSchedule, BatchStep, normalize_schedule, schedule_problems
 from lm_pipeline.train.batch_split import batch_split_problem
@@ -185,6 +186,9 @@ class TrainerConfig:
     progress: bool = field(True, help="Show a progress bar with ETA when attached to a terminal.", semantic=False)
     id: str | None = field(None, help="Run id; default derived from the run's fingerprint.", semantic=False)
     log_dir: str = field("logs", help="Python logs go to <log_dir>/<run_id>.log.", semantic=False)
+    profiler: bool = field(False, help=_PROFILER["profiler"], semantic=False)
+    profiler_start_step: int = field(5, help=_PROFILER["profiler_start_step"], semantic=False)
+    profiler_num_steps: int = field(100, help=_PROFILER["profiler_num_steps"], semantic=False)
     checkpointer: CheckpointerConfig = field(default_factory=CheckpointerConfig, help="Where and when to save checkpoints.", semantic=False)
     tracker: tuple[TrackerConfig, ...] = field((), help="Trackers besides the always-on JSONL log: wandb, tensorboard (a mapping or a list).", semantic=False)
     load_checkpoint: bool | None = field(None, help="Resume from the run's latest checkpoint: None = if one exists, true = must exist, false = never.", semantic=False)
@@ -216,7 +220,9 @@ class TrainerConfig:
 
     @classmethod
     def normalize_raw(cls, data: dict[str, Any]) -> dict[str, Any]:
-        data = _llm_trainer_raw(data)
+        from lm_pipeline.levanter import mapped
+
+        data = mapped(_llm_trainer_raw(data), "trainer")  # the profiler keys' log line
         for key in ("train_batch_size", "batch_size"):
             problems = schedule_problems(data.get(key), key)
             if problems:
