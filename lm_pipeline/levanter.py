@@ -82,12 +82,14 @@ LEVANTER_KEYS: tuple[LevanterKey, ...] = (
        "the run uses the devices JAX finds; `trainer.mp: auto` picks the precision for them"),
     _k("trainer.jax_config", "jax.config options set at start-up", "no_effect",
        "JAX's own defaults are used (jax_threefry_partitionable is already on in this JAX)"),
-    _k("trainer.profiler", "the JAX profiler around some steps", "no_effect",
-       "no profiler runs inside training here; bench/ measures steps"),
-    _k("trainer.profiler_start_step", "the first profiled step", "no_effect", "no profiler runs inside training here"),
-    _k("trainer.profiler_num_steps", "how many steps are profiled", "no_effect", "no profiler runs inside training here"),
+    _k("trainer.profiler", "the JAX profiler around some steps", "mapped",
+       "the same: `jax.profiler` traces steps `profiler_start_step` .. + `profiler_num_steps` (cut at the run's end) "
+       "into `<trainer.log_dir>/<run id>/profiler/` (TensorBoard's profile plugin or Perfetto read it)"),
+    _k("trainer.profiler_start_step", "the first profiled step", "mapped",
+       "the first traced step (0-based, as Levanter; default 5); a run resumed inside the window traces its rest"),
+    _k("trainer.profiler_num_steps", "how many steps are profiled", "mapped", "how many steps are traced (default 100)"),
     _k("trainer.profiler_perfetto_link", "a Perfetto link to the profile", "no_effect",
-       "no profiler runs inside training here"),
+       "no link is made: open the trace under `<trainer.log_dir>/<run id>/profiler/` in Perfetto yourself"),
     _k("trainer.shutdown_at_exit", "shutting the TPU VM down when training ends", "no_effect",
        "the process exits and leaves the machine alone"),
     _k("trainer.allow_nondivisible_batch_size", "a batch that does not divide the devices", "no_effect",
@@ -124,6 +126,15 @@ MODEL_COMPUTE_KEYS = {
     "cross_entropy_block_size": "Token rows per chunk of the fused LM head + cross-entropy, where the compute plan uses "
                                 "it; null = about 512.",
     "scan_layers": "The layer stack as a scan (true) or unrolled (false); null = the compute plan's own rule.",
+}
+
+#: The mapped trainer keys (non-semantic fields of the trainer section: the profiler around some
+#: steps, lm_pipeline.train.profiling); the help text of that field.
+TRAINER_PROFILER_KEYS = {
+    "profiler": "Trace steps profiler_start_step .. + profiler_num_steps with jax.profiler into "
+                "<log_dir>/<run id>/profiler/ (Levanter's trainer.profiler).",
+    "profiler_start_step": "The first traced step (0-based).",
+    "profiler_num_steps": "How many steps are traced.",
 }
 
 #: Levanter's model families (``model.type``) that have no implementation here.
@@ -177,15 +188,22 @@ def note(path: str, text: str) -> None:
 
 
 def mapped(data: dict, section: str) -> dict:
-    """Log once what each mapped key of ``section`` (``model``) given in the raw mapping ``data``
-    becomes; ``attn_backend`` spelled as Levanter's enum (``JAX_FLASH``) is read in lower case."""
-    backend = data.get("attn_backend")
+    """Log once what each mapped key of ``section`` (``model``: :data:`MODEL_COMPUTE_KEYS`,
+    ``trainer``: :data:`TRAINER_PROFILER_KEYS`) given in the raw mapping ``data`` becomes;
+    ``attn_backend`` spelled as Levanter's enum (``JAX_FLASH``) is read in lower case."""
+    from lm_pipeline.schema import ConfigError
+
+    for name, least in (("profiler_start_step", 0), ("profiler_num_steps", 1)) if section == "trainer" else ():
+        value = data.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value < least:
+            raise ConfigError(name, f"must be at least {least}, got {value}")
+    backend = data.get("attn_backend") if section == "model" else None
     if isinstance(backend, str):
         data["attn_backend"] = backend.strip().lower()
-    for name in MODEL_COMPUTE_KEYS:
+    for name in MODEL_COMPUTE_KEYS if section == "model" else TRAINER_PROFILER_KEYS:
         value = data.get(name)
         key = _BY_PATH.get(f"{section}.{name}")
-        if value is not None and key is not None:
+        if value is not None and key is not None and not (name == "profiler" and value is False):
             shown = str(value).lower() if isinstance(value, bool) else value
             note(key.path, f"Levanter's `{key.path}: {shown}` ({key.does}) is mapped here: {key.here}")
     return data
