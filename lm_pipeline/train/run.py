@@ -38,6 +38,7 @@ from lm_pipeline.train.batch_schedule import (
 )
 from lm_pipeline.train.checkpoint import Checkpointer, latest_checkpoint
 from lm_pipeline.train.optim import all_finite
+from lm_pipeline.train.profiling import StepProfiler
 from lm_pipeline.train.runlog import setup_logging
 from lm_pipeline.train.sharding import MeshPlan, initialize_distributed, make_mesh
 from lm_pipeline.train.trackers import build_tracker
@@ -161,11 +162,14 @@ def train(
     # Batches are read and placed on devices ahead of the step, on a background thread.
     batches = Prefetcher(run.source, start, num_steps=num_steps - start, depth=2, put=lambda b: put_batch(b, run.plan))
     fns = run.fns
+    profiler = StepProfiler(tc, run.run_id, num_steps)
     try:
         for step, batch in batches:
+            profiler.before(step)
             with run.plan.mesh:
                 state, metrics = fns.train_step_for(run.schedule.batch_size_at(step))(state, *step_args(fns, batch))
             done = step + 1
+            profiler.after(done, state)
             faultpoint("train.after_step")
             meter.after_step(step, metrics)
             eval_loss = evaluator(state, done) if evaluator.due(done) else None
@@ -186,6 +190,7 @@ def train(
             run.checkpointer.wait()
         raise
     finally:
+        profiler.stop()
         batches.close()
         meter.close()
     return _finish(run, result, state, meter, tracker)
