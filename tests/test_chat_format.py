@@ -299,3 +299,43 @@ def test_chat_records_that_are_no_conversation_are_named(tmp_path):
                                  "tokenizer": {"kind": "hf", "name_or_path": str(tokdir)}})
     with pytest.raises(DataValidationError, match="line 2.*not a conversation"):
         list(resolve_shards(cfg, "train")[0].iter_texts())
+
+
+def test_single_turn_is_prompt_then_reply_with_the_loss_on_the_reply(tmp_path):
+    """Levanter's single-turn chat: the first user message and the first assistant reply as one
+    text (then EOS), no template; the mask is 0 on the prompt's tokens, 1 on the reply's and EOS."""
+    from tokenizers import Tokenizer
+
+    tokdir, cache = chat_cache(tmp_path, single_turn=True)
+    tok = Tokenizer.from_file(str(tokdir / "tokenizer.json"))
+    tok.encode_special_tokens = True
+    eos = tok.token_to_id(EOS)
+    off = cache.doc_offsets
+    for i, conv in enumerate(CONVERSATIONS):
+        user = next(m["content"] for m in conv if m["role"] == "user")
+        reply = next(m["content"] for m in conv if m["role"] == "assistant")
+        ids = tok.encode(user + reply).ids + [eos]
+        prompt = len(tok.encode(user).ids)
+        assert cache.doc(i).tolist() == ids
+        assert cache.read_loss_mask(int(off[i]), int(off[i + 1])).tolist() == [0] * prompt + [1] * (len(ids) - prompt)
+
+
+def test_worker_processes_and_a_hugging_face_json_dataset_give_the_same_cache(tmp_path):
+    """Conversations read as Hugging Face rows (the json builder) and tokenized by two worker
+    processes: the same ids and mask as the transformers reference."""
+    tokdir = chat_tokenizer(tmp_path / "tok")
+    paths = [write_chats(tmp_path / f"chat-{k}.jsonl", CONVERSATIONS[k::2]) for k in range(2)]
+    cfg = from_dict(DataConfig, {"hf_id": "json", "hf_data_files": [str(p) for p in paths], "format": {"type": "chat"},
+                                 "hf_shard_rows": 1, "tokenizer": {"kind": "hf", "name_or_path": str(tokdir)}})
+    shards = resolve_shards(cfg, "train")
+    assert len(shards) > 1
+    build_cache(str(tmp_path / "cache"), shards, str(tokdir), num_workers=2, progress=False,
+                chat=source_chat(cfg, str(tokdir)))
+    cache = open_cache(str(tmp_path / "cache"))
+    order = [c for k in range(2) for c in CONVERSATIONS[k::2]]
+    off = cache.doc_offsets
+    assert cache.num_docs == len(order)
+    for i, conv in enumerate(order):
+        ids, mask = hf_reference(tokdir, conv)
+        assert cache.doc(i).tolist() == ids
+        assert cache.read_loss_mask(int(off[i]), int(off[i + 1])).tolist() == mask

@@ -95,6 +95,7 @@ class CacheDataset:
         self.pad_id = cache.eos_id if pad_id is None else int(pad_id)
         self._tokens = cache.tokens
         self._mask = cache.array("loss_mask") if cache.has_loss_mask else None
+        self._masked_tokens: int | None = None
 
     @property
     def has_segments(self) -> bool:
@@ -119,7 +120,12 @@ class CacheDataset:
 
     @property
     def bytes_per_token(self) -> float:
-        """The cache's text bytes per token (EOS and other added tokens included)."""
+        """The cache's text bytes per token (EOS and other added tokens included); a chat cache's
+        per trained-on token (its bytes are the assistant's text, see :mod:`lm_pipeline.data.chat`)."""
+        if self._mask is not None:
+            if self._masked_tokens is None:
+                self._masked_tokens = int(np.asarray(self._mask.read().result(), np.int64).sum())
+            return self.cache.num_bytes / max(1, self._masked_tokens)
         return self.cache.num_bytes / max(1, self.cache.num_tokens)
 
     def read_runs(self, starts: np.ndarray, lengths: np.ndarray, array: Any = None) -> np.ndarray:
