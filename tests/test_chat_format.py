@@ -165,9 +165,10 @@ def test_masked_training_loss_equals_numpy_over_assistant_targets(tmp_path):
     refs = [hf_reference(tokdir, c) for c in CONVERSATIONS]
     ref_mask = np.array([m for _, mask in refs for m in mask])  # the assistant's tokens, in stream order
     ds = CacheDataset(cache, T, "greedy")
-    batch = ds.get_many(np.arange(BATCH) % len(ds))
+    assert len(ds) >= BATCH
+    batch = ds.get_many(np.arange(BATCH))
     # where each slot's token lies in the stream, from the layout (independently of the batch's mask)
-    plan = ds.layout.plan(np.arange(BATCH) % len(ds))
+    plan = ds.layout.plan(np.arange(BATCH))
     pos = np.full((BATCH, T), -1)
     stream = np.concatenate([np.arange(s, s + n) for s, n in zip(plan.run_start, plan.run_len, strict=True)])
     pos[np.arange(T)[None] < plan.row_len[:, None]] = stream
@@ -205,6 +206,11 @@ def test_masked_training_loss_equals_numpy_over_assistant_targets(tmp_path):
     assert float(n) == keep.sum() and float(s) / float(n) == pytest.approx(ref, rel=1e-5), "eval_step"
     _, metrics = fns.train_step(jax.tree.map(jnp.copy, state), *args)
     assert float(metrics["train/loss"]) == pytest.approx(ref, rel=1e-5), "train_step"
+    # the evaluation report's loss: rows 0..BATCH-1 in order, the same targets
+    from lm_pipeline.eval import evaluate_model
+
+    got = evaluate_model(model, {"chat": ds}, batch_size=BATCH, max_eval_batches=1, progress=False)["chat"]
+    assert got.tokens == keep.sum() and got.nats / got.tokens == pytest.approx(ref, rel=1e-5), "evaluate_model"
 
 
 # --- (c) a text + chat mixture trains from the command line ---------------------------------------
