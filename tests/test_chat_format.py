@@ -345,3 +345,37 @@ def test_worker_processes_and_a_hugging_face_json_dataset_give_the_same_cache(tm
         ids, mask = hf_reference(tokdir, conv)
         assert cache.doc(i).tolist() == ids
         assert cache.read_loss_mask(int(off[i]), int(off[i + 1])).tolist() == mask
+
+
+def test_the_template_read_from_the_tokenizer_directory_enters_the_cache_address(tmp_path):
+    """Editing a local tokenizer's chat template (tokenizer_config.json, not tokenizer.json) moves a
+    chat source's token cache and run to new addresses, not its raw shards; a text source over the
+    same tokenizer keeps its addresses; a config field of the format moves the cache, not the shards."""
+    from lm_pipeline.steps import Pipeline
+
+    tokdir = chat_tokenizer(tmp_path / "tok")
+    data = write_chats(tmp_path / "chat.jsonl")
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": t}) + "\n" for t in sample_texts(20)[1:] if t.strip()))
+
+    def addresses(path: Path, *overrides: str) -> dict[str, str]:
+        raw = pt.tiny_config(tmp_path)
+        raw["data"].update({"train_urls": [str(path)], "validation_urls": [],
+                            "tokenizer": {"kind": "hf", "name_or_path": str(tokdir)}})
+        if path == data:
+            raw["data"]["format"] = {"type": "chat"}
+        exp = tmp_path / "exp.yaml"
+        exp.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+        pipe = Pipeline(load_config(exp, list(overrides)), progress=False)
+        return {s: pipe.address(s).fingerprint for s in ("raw_shards", "token_cache", "train_ckpt")}
+
+    chat0, text0 = addresses(data), addresses(text)
+    config = json.loads((tokdir / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE.replace("\n", " \n")
+    (tokdir / "tokenizer_config.json").write_text(json.dumps(config))
+    chat1, text1 = addresses(data), addresses(text)
+    assert chat1["raw_shards"] == chat0["raw_shards"]
+    assert chat1["token_cache"] != chat0["token_cache"] and chat1["train_ckpt"] != chat0["train_ckpt"]
+    assert text1 == text0
+    packed = addresses(data, "--data.chat.pack", "false")
+    assert packed["raw_shards"] == chat1["raw_shards"] and packed["token_cache"] != chat1["token_cache"]

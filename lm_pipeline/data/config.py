@@ -220,9 +220,11 @@ def _levanter_format(data: dict[str, Any]) -> None:
         if unknown:
             raise ConfigError(f"format.{unknown[0]}", f"is not a key of Levanter's chat format; its keys are "
                               f"{', '.join(CHAT_FORMAT_KEYS)}")
-        if "chat" in data:
-            raise ConfigError("format", "a chat format given twice (format: {type: chat} and chat:); keep one")
-        data["chat"] = from_dict(ChatFormatConfig, fmt, "format")
+        given = data.get("chat")
+        if given is not None and not isinstance(given, dict):
+            raise ConfigError("chat", f"expected a mapping (the chat format's keys), got {given!r}")
+        # chat: {...} (an override of one key, say) takes precedence over the format's keys
+        data["chat"] = from_dict(ChatFormatConfig, {**fmt, **(given or {})}, "format")
         return
     what = {"supervised": "input/output pairs, the loss on the output"}.get(kind)
     if what is None:
