@@ -122,7 +122,8 @@ STAGE_OF: dict[str, str | None] = {
     **_each(None, "model[gpt2].", "attn_backend flash_attention_block_size cross_entropy_block_size scan_layers"),
     **_each(None, "model[llama].", "attn_backend flash_attention_block_size cross_entropy_block_size scan_layers"),
     **_each(None, "trainer.", "per_device_parallelism gradient_accumulation_steps device_memory_gib per_device_eval_parallelism "
-            "steps_per_eval max_eval_batches log_every progress id log_dir load_checkpoint "
+            "steps_per_eval max_eval_batches log_every progress id log_dir profiler profiler_start_step "
+            "profiler_num_steps load_checkpoint "
             "load_checkpoint_path batch_axis fsdp_axis tensor_parallel_axes model_axis_size axis_resources "
             "parameter_axis_resources compute_axis_resources"),
     **_each(None, "trainer.checkpointer.", "base_path save_interval keep.every keep.until keep_last keep_best"),

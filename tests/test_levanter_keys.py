@@ -78,7 +78,7 @@ def test_keys_without_effect_are_accepted_with_one_log_line_and_change_no_finger
     levanter._NOTED.clear()
     tuning = {"data.cache_options": {"batch_size": 1024, "num_shard_groups": 64},
               "trainer.ray": {"auto_start_cluster": False}, "trainer.require_accelerator": False,
-              "trainer.jax_config": {"jax_threefry_partitionable": True}, "trainer.profiler": False,
+              "trainer.jax_config": {"jax_threefry_partitionable": True}, "trainer.profiler_perfetto_link": False,
               "trainer.shutdown_at_exit": False, "trainer.checkpointer.append_run_id_to_base_path": False}
     with caplog.at_level("INFO", logger="lm_pipeline.config"):
         cfg = load_config(None, dict(tuning))

@@ -28,6 +28,7 @@ TINY = {"model.type": "gpt2", "model.seq_len": 64, "model.hidden_dim": 32, "mode
         "trainer.train_batch_size": 2, "trainer.progress": False}
 HOW = {"model.attn_backend": "jax_flash", "model.flash_attention_block_size": 16,
        "model.cross_entropy_block_size": 32, "model.scan_layers": False}
+PROFILE = {"trainer.profiler": True, "trainer.profiler_start_step": 1, "trainer.profiler_num_steps": 2}
 CPU_OWN = "cpu_native" if native_attention.available() else "cpu_blocked"
 
 
@@ -41,11 +42,11 @@ def _plan(overrides: dict, platform: str = "cpu", dtype=jnp.float32):
 def test_mapped_keys_say_what_they_became_and_enter_no_fingerprint_or_run_id(caplog):
     levanter._NOTED.clear()
     with caplog.at_level("INFO", logger="lm_pipeline.config"):
-        tuned = load_config(None, {**TINY, **HOW})
-        load_config(None, {**TINY, **HOW})  # a second load logs nothing again
+        tuned = load_config(None, {**TINY, **HOW, **PROFILE})
+        load_config(None, {**TINY, **HOW, **PROFILE})  # a second load logs nothing again
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == len(HOW), lines
-    for key, value in HOW.items():
+    assert len(lines) == len(HOW) + len(PROFILE), lines
+    for key, value in {**HOW, **PROFILE}.items():
         line = next(x for x in lines if x.startswith(f"Levanter's `{key}: {str(value).lower()}` ("))
         assert "is mapped here:" in line, line
     plain = load_config(None, TINY)
@@ -65,7 +66,7 @@ def test_pipeline_addresses_ignore_the_mapped_keys(tmp_path):
         cfg = load_config(None, {**TINY, **extra, "store.root": str(tmp_path / "store")})
         return Pipeline(cfg).config_versions()
 
-    assert versions(HOW) == versions({})
+    assert versions({**HOW, **PROFILE}) == versions({})
     assert versions({"model.num_layers": 3}) != versions({})  # a semantic change does change them
 
 
@@ -271,3 +272,22 @@ def test_hints_of_a_config_without_the_keys_are_the_plans_own():
     assert hints_from(None) == ComputeHints()
     assert hints_from(object()) == ComputeHints()
     assert hints_from(load_config(None, TINY).model) == ComputeHints()
+
+
+def test_the_profiler_traces_its_window_of_steps_into_the_runs_log_directory(tmp_path, caplog):
+    """trainer.profiler: steps 1 and 2 of 4 traced with jax.profiler under <log_dir>/<run id>/profiler/;
+    without it no trace is written."""
+    from lm_pipeline.batch import ArrayDataset
+    from lm_pipeline.train.run import train
+
+    data = ArrayDataset(np.tile(np.arange(50, dtype=np.int32), 30)[: 16 * 64], 64)
+    for on in (False, True):
+        cfg = load_config(None, {**TINY, "trainer.num_train_steps": 4, "trainer.log_dir": str(tmp_path / f"logs{on}"),
+                                 "trainer.id": "prof", "trainer.steps_per_eval": 100,
+                                 **(PROFILE if on else {})})
+        with caplog.at_level("INFO", logger="lm_pipeline.train.profiling"):
+            res = train(cfg, train_data=data, vocab_size=50, run_dir=str(tmp_path / f"run{on}"))
+        assert res.final_step == 4
+        traces = list((tmp_path / f"logs{on}" / "prof" / "profiler").glob("plugins/profile/*/*.xplane.pb"))
+        assert len(traces) == (1 if on else 0), traces
+    assert any("profiling steps 1..2" in r.getMessage() for r in caplog.records)
