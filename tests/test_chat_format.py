@@ -379,3 +379,25 @@ def test_the_template_read_from_the_tokenizer_directory_enters_the_cache_address
     assert text1 == text0
     packed = addresses(data, "--data.chat.pack", "false")
     assert packed["raw_shards"] == chat1["raw_shards"] and packed["token_cache"] != chat1["token_cache"]
+
+
+def test_merged_part_caches_equal_one_build(tmp_path):
+    """The fan-out's merge of part caches (each a group of shards) copies the loss mask with the ids:
+    the merged cache equals the one built whole."""
+    from lm_pipeline.data.cache import merge_cache_parts
+
+    tokdir = chat_tokenizer(tmp_path / "tok")
+    paths = [write_chats(tmp_path / f"chat-{k}.jsonl", CONVERSATIONS[k::2]) for k in range(2)]
+    cfg = from_dict(DataConfig, {"train_urls": [str(p) for p in paths], "format": {"type": "chat"},
+                                 "tokenizer": {"kind": "hf", "name_or_path": str(tokdir)}})
+    shards, chat = resolve_shards(cfg, "train"), source_chat(cfg, str(tokdir))
+    build_cache(str(tmp_path / "whole"), shards, str(tokdir), num_workers=1, progress=False, chat=chat)
+    for k, s in enumerate(shards):
+        build_cache(str(tmp_path / f"part-{k}"), [s], str(tokdir), num_workers=1, progress=False, chat=chat)
+    merge_cache_parts(str(tmp_path / "merged"), [([s], str(tmp_path / f"part-{k}")) for k, s in enumerate(shards)],
+                      str(tokdir), chat=chat)
+    whole, merged = open_cache(str(tmp_path / "whole")), open_cache(str(tmp_path / "merged"))
+    assert merged.ledger["settings"] == whole.ledger["settings"] and merged.num_tokens == whole.num_tokens
+    assert (merged.read_tokens(0, merged.num_tokens) == whole.read_tokens(0, whole.num_tokens)).all()
+    assert merged.read_loss_mask(0, merged.num_tokens).tolist() == whole.read_loss_mask(0, whole.num_tokens).tolist()
+    assert 0 < int(merged.read_loss_mask(0, merged.num_tokens).sum()) < merged.num_tokens
