@@ -227,6 +227,7 @@ class ScheduledMixtureSource(MixtureBatchSource):
                  process_index: int = 0, process_count: int = 1, **kwargs: Any):
         check_processes(schedule, process_count)
         super().__init__(datasets, phases, 1, seed, **kwargs)  # positions are rows: batch size 1
+        self.batch_size = None  # no one batch size (a prefetcher's global rows are inferred)
         self.schedule = schedule
         self.process_index, self.process_count = process_index, process_count
 
