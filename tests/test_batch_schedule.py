@@ -127,33 +127,44 @@ def test_each_step_reads_the_next_rows_of_its_size_and_compiles_once_per_size(tm
 
 
 def reference_adam(cfg, data: ArrayDataset, schedule: list[dict], steps: int) -> list[np.ndarray]:
-    """A plain Optax Adam loop: the model's mean next-token cross-entropy (log-softmax of its
-    logits) over each step's brute-force rows, whole batches (no micro-batches)."""
+    """A plain Optax Adam loop: the gradient of the model's mean next-token cross-entropy
+    (log-softmax of its logits) over each step's brute-force rows, summed two rows at a time
+    (one compiled shape) and divided by the step's predicted tokens."""
     oc = cfg.optimizer
     model = cfg.model.build(VOCAB, key=jax.random.split(jax.random.key(cfg.trainer.seed))[0])
     arrays, static = eqx.partition(model, eqx.is_array)
 
-    def loss(p, tokens):
+    def loss_sum(p, tokens):
         logits = eqx.combine(p, static)(tokens, None, key=None, inference=True)
         logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+        return -jnp.sum(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
     tx = optax.adam(oc.learning_rate, b1=oc.beta1, b2=oc.beta2, eps=oc.epsilon)
     opt = tx.init(arrays)
-    grad = jax.jit(jax.grad(loss))
+    grad_sum = jax.jit(jax.grad(loss_sum))
+
+    @jax.jit
+    def update(arrays, opt, grads):
+        updates, opt = tx.update(grads, opt, arrays)
+        return optax.apply_updates(arrays, updates), opt
+
     for positions in positions_by_brute_force(schedule, steps):
-        tokens = jnp.asarray(data.rows[epoch_rows(positions, len(data))])
-        updates, opt = tx.update(grad(arrays, tokens), opt, arrays)
-        arrays = optax.apply_updates(arrays, updates)
+        tokens = data.rows[epoch_rows(positions, len(data))]
+        total = None
+        for i in range(0, len(tokens), 2):
+            g = grad_sum(arrays, jnp.asarray(tokens[i:i + 2]))
+            total = g if total is None else jax.tree.map(jnp.add, total, g)
+        grads = jax.tree.map(lambda x, n=len(tokens) * (SEQ - 1): x / n, total)
+        arrays, opt = update(arrays, opt, grads)
     return [np.asarray(x) for x in jax.tree.leaves(arrays)]
 
 
 def test_parameters_equal_a_plain_optax_loop_on_the_brute_force_rows(tmp_path):
-    schedule = [{"start": 0, "value": 4}, {"start": 2, "value": 8}]
-    cfg = config(tmp_path, schedule, steps=4, **{"trainer.per_device_parallelism": 2})  # 2 and 4 micro-batches
+    # sizes 4, 8, 2: 2, 4 and 1 micro-batches of 2 rows; 28 rows over 23, across an epoch boundary
+    cfg = config(tmp_path, SCHEDULE, steps=6, **{"trainer.per_device_parallelism": 2})
     data = ArrayDataset(np.random.default_rng(1).integers(0, VOCAB, ROWS * SEQ), SEQ)
     res = train(cfg, train_data=data, vocab_size=VOCAB, run_dir=str(tmp_path / "run"))
-    ours, ref = params(res.state), reference_adam(cfg, data, schedule, 4)
+    ours, ref = params(res.state), reference_adam(cfg, data, SCHEDULE, 6)
     assert len(ours) == len(ref)
     start = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(
         cfg.model.build(VOCAB, key=jax.random.split(jax.random.key(0))[0]), eqx.is_array))]
@@ -163,7 +174,7 @@ def test_parameters_equal_a_plain_optax_loop_on_the_brute_force_rows(tmp_path):
 
 
 def test_a_run_resumed_in_the_middle_of_its_schedule_equals_the_uninterrupted_one(tmp_path, monkeypatch):
-    extra = {"trainer.checkpointer.keep": [{"every": 3}]}
+    extra = {"trainer.checkpointer.keep": [{"every": 3}], "trainer.per_device_parallelism": 2}
     clean_data = Recording()
     clean = train(config(tmp_path, **extra), train_data=clean_data, vocab_size=VOCAB, run_dir=str(tmp_path / "clean"))
     run_dir = str(tmp_path / "run")
@@ -184,7 +195,8 @@ def test_a_mixture_reads_by_position_and_its_phases_start_at_the_steps_rows(tmp_
     datasets = {"a": Recording(17, seed=2), "b": Recording(11, seed=3)}
     weights = [[0, {"a": 0.75, "b": 0.25}], [3, {"a": 0.25, "b": 0.75}]]
     cfg = config(tmp_path, data={"configs": {"a": {"train_urls": ["a.jsonl"]}, "b": {"train_urls": ["b.jsonl"]}},
-                                 "train_weights": weights, "mixture_block_size": 4})
+                                 "train_weights": weights, "mixture_block_size": 4},
+                 **{"trainer.per_device_parallelism": 2})
     train(cfg, train_data=datasets, vocab_size=VOCAB, run_dir=str(tmp_path / "run"))
     positions = positions_by_brute_force(SCHEDULE, 6)
     # the phase given at step 3 starts at the row after steps 0..2's: 4 + 4 + 8
