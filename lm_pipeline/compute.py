@@ -154,6 +154,9 @@ class ComputePlan:
             :data:`~lm_pipeline.kernels.cpu.fused_head_loss.HEAD_CHUNK_ROWS`).
         layer_loop: ``auto`` (:meth:`unroll`'s rule), ``scan`` (never unrolled) or ``unroll``
             (always, also under a remat policy or checkpointing).
+        fp8: projections multiply fp8 values (:func:`lm_pipeline.fp8.fp8_dense`; training with
+            ``trainer.quantization.fp8`` on a GPU with fp8 matmuls). The LM head and attention
+            keep the compute dtype.
     """
 
     platform: str = "any"
@@ -168,11 +171,16 @@ class ComputePlan:
     attention_block: int = 0
     head_chunk_rows: int = 0
     layer_loop: Literal["auto", "scan", "unroll"] = "auto"
+    fp8: bool = False
 
     # --- what the models call -----------------------------------------------------------------
 
     def dense(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """A projection ``x [..., K] @ w [K, N] -> [..., N]``."""
+        if self.fp8:
+            from lm_pipeline.fp8 import fp8_dense
+
+            return fp8_dense(x, w)
         if self.matmul == "cpu":
             from lm_pipeline.kernels.cpu import matmul
 

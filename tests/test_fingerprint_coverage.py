@@ -102,7 +102,7 @@ STAGE_OF: dict[str, str | None] = {
             "low_freq_factor high_freq_factor beta_fast beta_slow mscale mscale_all_dim attention_factor"),
     **_each("train_ckpt", "trainer.", "seed num_train_steps num_epochs train_tokens train_batch_size mp "
             "initialize_from max_epochs z_loss_weight"),
-    **_each("train_ckpt", "trainer.quantization.", "fp8 int8 targets"),  # refused at preflight for now
+    **_each("train_ckpt", "trainer.quantization.", "fp8 int8 targets"),  # fp8 changes results (fp8 GPUs only)
     **_each("train_ckpt", "optimizer.", "learning_rate weight_decay beta1 beta2 epsilon max_grad_norm "
             "lr_schedule min_lr_ratio warmup decay rewarmup cycles cycle_length skip_bad_steps "
             "skip_grad_norm_factor skip_warmup_steps skip_ema_decay type momentum adam_lr gamma update_interval "

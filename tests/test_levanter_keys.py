@@ -134,8 +134,10 @@ def test_fp8_is_refused_before_any_compute_naming_the_field_and_the_device(tmp_p
     assert res.returncode == 2 and len(errors) == 1 and "Traceback" not in res.stderr, res.stderr
     assert "trainer.quantization.fp8" in errors[0] and "device is cpu" in errors[0]
     assert not (tmp_path / "store").exists()
-    on_h100 = QuantizationConfig(fp8=True).device_problem("NVIDIA H100 80GB HBM3", True)
-    assert "NVIDIA H100" in str(on_h100) and "not implemented" in str(on_h100)
+    assert QuantizationConfig(fp8=True).device_problem("NVIDIA H100 80GB HBM3", True) is None
+    assert "NVIDIA A100" in str(QuantizationConfig(fp8=True).device_problem("NVIDIA A100-SXM4-80GB", False))
+    targets = QuantizationConfig(fp8=True, targets=("mlp",)).device_problem("NVIDIA H100 80GB HBM3", True)
+    assert "trainer.quantization.targets" in str(targets)
     assert QuantizationConfig().device_problem("cpu", False) is None
     assert load_config(None, {"trainer.quantization": None}).trainer.quantization is None
 
