@@ -107,7 +107,10 @@ EXPECTED_SEMANTIC = {
     "model[llama].use_layer_norm_weight": True,
     **{f"optimizer.{f}": True for f in ("type", "adam_lr", "ema_beta", "gamma", "momentum", "update_interval")},
     **{f"trainer.{f}": True for f in ("max_epochs", "z_loss_weight", "quantization.fp8", "quantization.int8",
-                                      "quantization.targets")},
+                                      "quantization.targets")},    # Levanter's how-not-what keys: they change the compute plan, not the results
+    **{f"model[{m}].{f}": False for m in ("gpt2", "llama") for f in (
+        "attn_backend", "cross_entropy_block_size", "flash_attention_block_size", "scan_layers")},
+    **{f"trainer.{f}": False for f in ("profiler", "profiler_num_steps", "profiler_start_step")},
 }
 
 
