@@ -24,10 +24,13 @@ BACKWARD = jnp.float8_e5m2
 
 
 def dequant_scale(x: jax.Array, dtype) -> jax.Array:
-    """The per-tensor scale ``amax(|x|) / max(dtype)`` in float32 (1 for an all-zero tensor)."""
+    """The per-tensor scale ``amax(|x|) / max(dtype)`` in float32: 1 for an all-zero tensor, and
+    never below float32's smallest normal number (a tiny ``amax`` would otherwise flush the scale
+    to 0, and ``0 / 0`` make the zeros NaN)."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     fmax = jnp.float32(jnp.finfo(dtype).max)
-    return jax.lax.stop_gradient(jnp.where(amax > 0, amax / fmax, jnp.float32(1.0)))
+    scale = jnp.maximum(amax / fmax, jnp.finfo(jnp.float32).tiny)
+    return jax.lax.stop_gradient(jnp.where(amax > 0, scale, jnp.float32(1.0)))
 
 
 def quantize_dequantize(x: jax.Array, dtype) -> jax.Array:

@@ -67,6 +67,17 @@ def test_keeps_the_compute_dtype_and_handles_zeros(dtype):
     np.testing.assert_array_equal(np.asarray(dw, np.float32), 0.0)
 
 
+def test_a_tiny_gradient_gives_finite_gradients():
+    # amax / 57344 underflows float32 for an amax below ~6.7e-34: the scale must not become 0.
+    x = jnp.asarray(np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8))
+    w = jnp.asarray(np.linspace(-0.5, 0.5, 24, dtype=np.float32).reshape(8, 3))
+    g = jnp.zeros((4, 3), jnp.float32).at[0, 0].set(1e-36)
+    _, vjp = jax.vjp(fp8_dense, x, w)
+    dx, dw = vjp(g)
+    assert np.all(np.isfinite(np.asarray(dx))) and np.all(np.isfinite(np.asarray(dw)))
+    assert np.count_nonzero(np.asarray(dx)) <= 8  # only the one row the gradient touches
+
+
 def test_values_beyond_the_range_are_clipped_not_inf():
     # One huge entry sets the scale; the rest underflow to zero or small values, none is inf/nan.
     x = jnp.asarray(np.r_[1e30, np.linspace(-1, 1, 15)].astype(np.float32)[None])
