@@ -262,3 +262,47 @@ def test_gpt2_small_config_and_its_comment_agree_with_the_estimate(tmp_path):
     closed_form = v * d + positions * d + n_layers * (12 * d * d + 13 * d) + 2 * d  # tied head
     assert e.num_params == closed_form == 124_439_808
     assert round(e.num_params / 1e6) == int(said.group(1))
+
+
+# --- the XLA plan compiles the step that peaks ---------------------------------------------------
+
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}"
+                 "{{ m['content'] }}{{ eos_token }}{% endgeneration %}\n{% else %}<|{{ m['role'] }}|>"
+                 "{{ m['content'] }}\n{% endif %}{% endfor %}")
+
+
+def batch_arg_shapes(compiled) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of the compiled train step's batch arguments (those after the state)."""
+    (_state, *batch), _ = compiled.args_info
+    return [(tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(batch)]
+
+
+def test_xla_plan_compiles_the_schedules_largest_micro_batch_and_a_chat_loss_mask():
+    """[{0: 8}, {100: 64}] with the whole batch per micro-batch: the compiled figure is the step of 64
+    rows (the estimate's peak), not the first size's 8; a chat source's loss mask is a third int32
+    batch argument, counted in the arguments' bytes."""
+    from lm_pipeline.estimate.xla_plan import compiled_train_step, planned_bytes
+
+    seq = GPT2["model.seq_len"]
+    schedule = [{"start": 0, "value": 8}, {"start": 100, "value": 64}]
+    sched = compiled_train_step(cfg_of(GPT2, trainer__train_batch_size=schedule,
+                                       trainer__per_device_parallelism=-1), VOCAB)
+    assert batch_arg_shapes(sched) == [((64, seq), "int32")]
+    eight = compiled_train_step(cfg_of(GPT2, trainer__train_batch_size=8), VOCAB)
+    assert batch_arg_shapes(eight) == [((8, seq), "int32")]
+    grown = sched.memory_analysis().argument_size_in_bytes - eight.memory_analysis().argument_size_in_bytes
+    assert grown == (64 - 8) * seq * 4
+    assert planned_bytes(sched) > planned_bytes(eight)
+    # micro-batches of 8 rows at both sizes: the larger batch's arguments decide
+    from lm_pipeline.estimate.xla_plan import peak_batch_size
+    from lm_pipeline.train.sharding import make_mesh
+
+    tied = cfg_of(GPT2, trainer__train_batch_size=[{"start": 0, "value": 16}, {"start": 100, "value": 8}],
+                  trainer__per_device_parallelism=8)
+    assert peak_batch_size(tied, make_mesh(tied.trainer, jax.devices()[:1])) == 16
+    chat = cfg_of(GPT2, trainer__train_batch_size=8, data__train_urls=["chat.jsonl"],
+                  data__format={"type": "chat", "chat_template": CHAT_TEMPLATE})
+    masked = compiled_train_step(chat, VOCAB)
+    assert batch_arg_shapes(masked) == [((8, seq), "int32")] * 2  # tokens and the loss mask
+    assert (masked.memory_analysis().argument_size_in_bytes
+            - eight.memory_analysis().argument_size_in_bytes) == 8 * seq * 4
