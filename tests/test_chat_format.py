@@ -213,6 +213,74 @@ def test_masked_training_loss_equals_numpy_over_assistant_targets(tmp_path):
     assert got.tokens == keep.sum() and got.nats / got.tokens == pytest.approx(ref, rel=1e-5), "evaluate_model"
 
 
+def _masked_reference(model, ds, ref_mask: np.ndarray) -> tuple[float, int]:
+    """NumPy cross-entropy summed over every row of ``ds`` at the positions that predict an
+    assistant token of the stream (``ref_mask``: transformers' mask, never the batch's own)."""
+    rows = np.arange(len(ds))
+    batch = ds.get_many(rows)
+    n, t = batch.tokens.shape
+    plan = ds.layout.plan(rows)
+    pos = np.full((n, t), -1)
+    stream = np.concatenate([np.arange(s, s + k) for s, k in zip(plan.run_start, plan.run_len, strict=True)])
+    pos[np.arange(t)[None] < plan.row_len[:, None]] = stream
+    seg = batch.segment_ids
+    predicts = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
+    keep = predicts & (np.where(pos[:, 1:] >= 0, ref_mask[np.maximum(pos[:, 1:], 0)], 0) == 1)
+    logits = np.asarray(model(jnp.asarray(batch.tokens), jnp.asarray(seg), key=None, inference=True), np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp[:, :-1], batch.tokens[:, 1:, None].astype(np.int64), -1)[..., 0]
+    return float(nll[keep].sum()), int(keep.sum())
+
+
+@pytest.mark.parametrize("own_cache", [True, False])
+def test_eval_scores_a_chat_validation_set_on_the_assistant_tokens(tmp_path, own_cache):
+    """``lm-pipeline eval``'s data (:func:`lm_pipeline.eval.data.eval_datasets`) reads a chat
+    validation set rendered and masked as the training cache is: from the config's own token
+    cache when built (and the unigram baseline from its training split), else from an evaluation
+    cache it builds with the mask; the loss and bits per byte equal a NumPy cross-entropy over the
+    assistant's targets (transformers' mask) and the assistant's UTF-8 bytes."""
+    import math
+
+    from lm_pipeline.eval import evaluate_model
+    from lm_pipeline.eval.data import eval_datasets
+    from lm_pipeline.steps import Pipeline
+
+    seq = 64
+    tokdir = chat_tokenizer(tmp_path / "tok")
+    train = write_chats(tmp_path / "chat" / "train.jsonl", CONVERSATIONS[::-1])
+    val = write_chats(tmp_path / "chat" / "val.jsonl")
+    raw = pt.tiny_config(tmp_path)
+    raw["data"].update({"train_urls": [str(train)], "validation_urls": [str(val)], "format": {"type": "chat"},
+                        "tokenizer": {"kind": "hf", "name_or_path": str(tokdir)}})
+    raw["model"]["seq_len"] = seq
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    cfg = load_config(exp)
+    if own_cache:
+        Pipeline(cfg, progress=False).token_cache()
+    got = eval_datasets(cfg, str(tokdir), seq_len=seq, train=own_cache, progress=False)
+    assert got.reused.get("validation", "").startswith("token_cache") == own_cache, got.reused
+    assert got.built == (() if own_cache else ("validation",))
+    assert (got.train_cache is not None) == own_cache
+    assert open_cache(got.locations["validation"]).has_loss_mask
+    ds = got.datasets["validation"]
+    assert ds.has_loss_mask
+
+    refs = [hf_reference(tokdir, c) for c in CONVERSATIONS]
+    assert max(len(ids) for ids, _ in refs) <= seq  # every conversation whole in a row
+    ref_mask = np.array([m for _, mask in refs for m in mask])
+    model = _numpy_model(cfg, 320)
+    nats, count = _masked_reference(model, ds, ref_mask)
+    assert count == int(ref_mask.sum())  # every assistant token is a target once
+    ref_bytes = sum(len((m["content"] + EOS).encode("utf-8")) for c in CONVERSATIONS for m in c
+                    if m["role"] == "assistant")
+    m = evaluate_model(model, {"validation": ds}, batch_size=len(ds), progress=False)["validation"]
+    assert m.tokens == count
+    assert m.loss == pytest.approx(nats / count, rel=1e-5)
+    assert m.bpb == pytest.approx(nats / math.log(2) / ref_bytes, rel=1e-5)
+
+
 # --- (c) a text + chat mixture trains from the command line ---------------------------------------
 
 
@@ -251,7 +319,28 @@ def test_text_and_chat_mixture_trains_from_the_command_line(tmp_path):
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses
     rows = {r["dataset"]: r for r in pipe.eval_report().manifest["rows"]}
     assert {"web/validation", "sft/validation"} <= set(rows)
-    assert rows["sft/validation"]["loss"] > 0 and rows["sft/validation"]["bpb"] > 0
+    # every row evaluated: the targets are the assistant's tokens (transformers' mask), the bytes
+    # the assistant's text's
+    import math
+
+    refs = [hf_reference(tokdir, c) for c in convs[100:]]
+    assert max(len(ids) for ids, _ in refs) <= raw["model"]["seq_len"]  # whole conversations per row
+    ref_bytes = sum(len((m["content"] + EOS).encode("utf-8")) for c in convs[100:] for m in c if m["role"] == "assistant")
+    sft = rows["sft/validation"]
+    assert sft["tokens"] == sum(sum(mask) for _, mask in refs)
+    assert sft["loss"] > 0 and sft["bpb"] == pytest.approx(sft["loss"] * sft["tokens"] / math.log(2) / ref_bytes,
+                                                           rel=1e-6)
+    # lm-pipeline eval on the final checkpoint: the component's own chat cache, the same numbers
+    from lm_pipeline.cli import main
+
+    assert main(["eval", "--config_path", str(experiment), "--output_dir", str(tmp_path / "eval")]) == 0
+    report = json.loads((tmp_path / "eval" / "eval_report.json").read_text())
+    report = report if isinstance(report, list) else report.get("rows", report)
+    got = {r["dataset"]: r for r in report}
+    for name in ("web/validation", "sft/validation"):
+        for metric in ("loss", "bpb", "tokens"):
+            assert got[name][metric] == pytest.approx(rows[name][metric], rel=0, abs=1e-6), (name, metric)
+    assert not (tmp_path / "store" / "eval_cache").exists()  # nothing tokenized for the evaluation
 
 
 # --- (d) config problems, one line naming the field ---------------------------------------------

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lm_pipeline.config import RunConfig
+    from lm_pipeline.data.chat import ChatSettings
     from lm_pipeline.data.encode import Shard, TokenizerInfo
     from lm_pipeline.data.loader import CacheDataset
     from lm_pipeline.steps import Pipeline
@@ -70,14 +71,29 @@ class EvalData:
     reused: dict[str, str] = field(default_factory=dict)  # set -> what held it ("token_cache <fp>", ...)
 
 
-def eval_cache_fingerprint(info: TokenizerInfo, plan: Mapping[str, Any]) -> str:
-    """The address of a validation set's evaluation cache: its shard plan and the tokenizer."""
+def eval_cache_fingerprint(info: TokenizerInfo, plan: Mapping[str, Any], chat: ChatSettings | None = None) -> str:
+    """The address of a validation set's evaluation cache: its shard plan and the tokenizer; for
+    a chat source also its chat settings (the ledger's ``settings.chat``: template, mask, ...)."""
     from lm_pipeline.data.cache import FORMAT_VERSION
     from lm_pipeline.fingerprint import fingerprint
 
     conf = {"shards": dict(plan), "tokenizer": info.fingerprint, "settings": info.settings(),
             "cache_format": FORMAT_VERSION}
+    if chat is not None:  # a text set's address stays what it was
+        conf["chat"] = chat.ledger()
     return fingerprint(EVAL_CACHE_STAGE, conf, EVAL_CACHE_VERSION, {})
+
+
+def split_chat(cfg: RunConfig, split: str, tokenizer_dir: str) -> ChatSettings | None:
+    """The chat settings of the source a split comes from (a mixture's ``<component>/<split>``:
+    that component's), with the tokenizer at ``tokenizer_dir``; None for a text source."""
+    from lm_pipeline.data.chat import source_chat
+    from lm_pipeline.steps.mixture import component_config, is_mixture
+
+    data = cfg.data
+    if is_mixture(cfg) and "/" in split:
+        data = component_config(cfg, split.split("/", 1)[0]).data
+    return source_chat(data, tokenizer_dir)
 
 
 @contextlib.contextmanager
@@ -122,8 +138,9 @@ class _Finder:
                             for s in self._splits(str(m.get("fingerprint")), m) if s[0] not in own]
         return self._others
 
-    def fits(self, location: str, plan: Mapping[str, Any]) -> bool:
-        """Whether the complete cache at ``location`` holds the plan's shards with this tokenizer."""
+    def fits(self, location: str, plan: Mapping[str, Any], chat: ChatSettings | None = None) -> bool:
+        """Whether the complete cache at ``location`` holds the plan's shards with this tokenizer
+        (rendered with the chat settings ``chat`` for a chat source)."""
         from lm_pipeline.data.cache import CacheError, open_cache
         from lm_pipeline.data.cache.ledger import incompatibility
 
@@ -133,31 +150,34 @@ class _Finder:
             except CacheError:
                 self._ledgers[location] = None
         ledger = self._ledgers[location]
-        return ledger is not None and incompatibility(ledger, self.info, plan) is None
+        return ledger is not None and incompatibility(ledger, self.info, plan,
+                                                         chat.ledger() if chat is not None else None) is None
 
-    def eval_cache(self, plan: Mapping[str, Any]) -> tuple[str, str] | None:
-        fp = eval_cache_fingerprint(self.info, plan)
+    def eval_cache(self, plan: Mapping[str, Any], chat: ChatSettings | None = None) -> tuple[str, str] | None:
+        fp = eval_cache_fingerprint(self.info, plan, chat)
         if self.pipe.store.manifest(EVAL_CACHE_STAGE, fp) is None:
             return None
         return f"{self.pipe.store.artifact(EVAL_CACHE_STAGE, fp).path}/{CACHE_SUBDIR}", f"{EVAL_CACHE_STAGE} {fp}"
 
-    def find(self, plan: Mapping[str, Any], *, eval_caches: bool = True) -> tuple[str, str] | None:
-        """(location, label) of a complete cache of the plan's shards with this tokenizer, or None."""
+    def find(self, plan: Mapping[str, Any], chat: ChatSettings | None = None, *,
+             eval_caches: bool = True) -> tuple[str, str] | None:
+        """(location, label) of a complete cache of the plan's shards with this tokenizer (and
+        these chat settings), or None."""
         for loc, label in self.own():
-            if self.fits(loc, plan):
+            if self.fits(loc, plan, chat):
                 return loc, label
         if eval_caches:
-            hit = self.eval_cache(plan)
-            if hit is not None and self.fits(hit[0], plan):
+            hit = self.eval_cache(plan, chat)
+            if hit is not None and self.fits(hit[0], plan, chat):
                 return hit
         for loc, label in self.others():
-            if self.fits(loc, plan):
+            if self.fits(loc, plan, chat):
                 return loc, label
         return None
 
 
 def _build_eval_cache(pipe: Pipeline, name: str, shards: Sequence[Shard], tokenizer_dir: str,
-                      info: TokenizerInfo, plan: Mapping[str, Any]) -> str:
+                      info: TokenizerInfo, plan: Mapping[str, Any], chat: ChatSettings | None = None) -> str:
     """Tokenize one validation set into its evaluation cache (under the store's lock for its
     address: a second builder waits, then finds it complete); its location."""
     from lm_pipeline.data.cache import build_cache
@@ -165,7 +185,7 @@ def _build_eval_cache(pipe: Pipeline, name: str, shards: Sequence[Shard], tokeni
     from lm_pipeline.store import naming_storage_errors
 
     store = pipe.store
-    fp = eval_cache_fingerprint(info, plan)
+    fp = eval_cache_fingerprint(info, plan, chat)
     art = store.artifact(EVAL_CACHE_STAGE, fp)
     where = f"{art.path}/{CACHE_SUBDIR}"
     with naming_storage_errors(f"{EVAL_CACHE_STAGE} {fp}", art.path):
@@ -175,8 +195,10 @@ def _build_eval_cache(pipe: Pipeline, name: str, shards: Sequence[Shard], tokeni
                          name, len(shards), where)
                 data = pipe.cfg.data
                 ledger = build_cache(where, shards, tokenizer_dir, num_workers=data.num_workers,
-                                     shard_group_size=data.shard_group_size, progress=pipe.progress)
-                store.commit(art, {"config": {"shards": dict(plan), "tokenizer": info.fingerprint},
+                                     shard_group_size=data.shard_group_size, progress=pipe.progress, chat=chat)
+                conf = {"shards": dict(plan), "tokenizer": info.fingerprint,
+                        **({"chat": chat.ledger()} if chat is not None else {})}
+                store.commit(art, {"config": conf,
                                    "inputs": {}, "code_version": EVAL_CACHE_VERSION,
                                    "summary": {"validation_set": name, **ledger_counts(ledger)},
                                    "cache": where})
@@ -208,16 +230,18 @@ def eval_datasets(cfg: RunConfig, tokenizer_dir: str, *, seq_len: int, train: bo
             if name in training:
                 continue
             plan = shard_plan(split)
-            hit = finder.find(plan)
+            chat = split_chat(cfg, name, tok)  # a chat set: rendered and masked as the training cache is
+            hit = finder.find(plan, chat)
             if hit is not None:
                 locations[name], reused[name] = hit
                 log.info("eval: validation set %r from %s", name, hit[1])
             else:
-                locations[name] = _build_eval_cache(pipe, name, split, tok, info, plan)
+                locations[name] = _build_eval_cache(pipe, name, split, tok, info, plan, chat)
                 built.append(name)
         train_cache = None
         if train:
-            hits = [finder.find(shard_plan(shards[name]), eval_caches=False) for name in training]
+            hits = [finder.find(shard_plan(shards[name]), split_chat(cfg, name, tok), eval_caches=False)
+                    for name in training]
             hit = None if None in hits else (hits[0][0] if len(hits) == 1 else [h[0] for h in hits],
                                              ", ".join(h[1] for h in hits))
             if hit is None:
