@@ -384,6 +384,37 @@ def test_local_tokenizer_without_template_fails_before_anything_is_built(tmp_pat
     assert not (tmp_path / "store" / "token_cache").exists()
 
 
+def _chat_experiment(tmp_path: Path, tokdir: Path, data: Path, **fmt) -> Path:
+    raw = pt.tiny_config(tmp_path)
+    raw["data"].update({"train_urls": [str(data)], "validation_urls": [], "format": {"type": "chat", **fmt},
+                        "tokenizer": {"kind": "hf", "name_or_path": str(tokdir)}})
+    experiment = tmp_path / "chat.yaml"
+    experiment.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    return experiment
+
+
+def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lm_pipeline.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("template_in", ["config", "tokenizer"])
+def test_a_template_with_a_jinja_syntax_error_is_refused_before_anything_is_built(tmp_path, template_in):
+    broken = TEMPLATE.replace("{% endfor %}", "")  # the for loop never closed
+    tokdir = chat_tokenizer(tmp_path / "tok", template=broken if template_in == "tokenizer" else TEMPLATE)
+    data = write_chats(tmp_path / "chat.jsonl")
+    fmt = {"chat_template": broken} if template_in == "config" else {}
+    out = _cli(tmp_path, "cache", "--config_path", str(_chat_experiment(tmp_path, tokdir, data, **fmt)))
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    assert "data.chat.chat_template" in errors[0] and "not a valid Jinja template" in errors[0], errors
+    # jinja's own message, and the line where it found the problem (the end: TEMPLATE has 3 lines)
+    assert "'endfor'" in errors[0] and "line 3" in errors[0], errors
+    assert not (tmp_path / "store" / "token_cache").exists() and not (tmp_path / "store" / "raw_shards").exists()
+
+
 def test_chat_records_that_are_no_conversation_are_named(tmp_path):
     from lm_pipeline.data.validation import DataValidationError
 

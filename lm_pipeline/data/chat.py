@@ -238,7 +238,8 @@ def chat_settings(chat_cfg: Any, tokenizer_dir: str | None, *, where: str = "") 
     """The :class:`ChatSettings` of a source's ``chat`` config with the tokenizer at
     ``tokenizer_dir`` (its template when the config gives none). Raises a one-line
     :class:`~lm_pipeline.schema.ConfigError` naming ``<where>chat.chat_template`` when there is
-    no template, or when the one found cannot mark the assistant's tokens."""
+    no template, when the one found does not compile (a Jinja syntax error: its message and
+    line), or when it cannot mark the assistant's tokens."""
     from lm_pipeline.schema import ConfigError
 
     template = None
@@ -253,6 +254,15 @@ def chat_settings(chat_cfg: Any, tokenizer_dir: str | None, *, where: str = "") 
                               "template (no chat_template in its tokenizer_config.json, no chat_template.jinja); set "
                               "format.chat_template to a Jinja template with {% generation %} around the assistant's "
                               "content")
+        try:  # compiled here, so a syntax error is a config error before anything is built
+            _sandbox(template)
+        except Exception as e:
+            import jinja2
+
+            if not isinstance(e, jinja2.TemplateSyntaxError):
+                raise
+            raise ConfigError(f"{where}chat.chat_template", f"{source} is not a valid Jinja template: "
+                              f"{' '.join(str(e.message).split())} (template line {e.lineno})") from None
         if chat_cfg.mask_user_turns and not has_generation_tag(template):
             raise ConfigError(f"{where}chat.chat_template", f"{source} has no {{% generation %}} block, so the "
                               "assistant's tokens cannot be told apart: give format.chat_template with "
