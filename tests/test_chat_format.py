@@ -415,6 +415,71 @@ def test_a_template_with_a_jinja_syntax_error_is_refused_before_anything_is_buil
     assert not (tmp_path / "store" / "token_cache").exists() and not (tmp_path / "store" / "raw_shards").exists()
 
 
+STRICT = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('conversations start with a user turn') }}"
+          "{% endif %}" + TEMPLATE)
+
+
+@pytest.mark.parametrize(("kind", "bad", "fmt", "says"), [
+    ("no_assistant", [{"role": "user", "content": "alpha"}, {"role": "user", "content": "beta"}], {},
+     "no assistant text"),
+    ("raise_exception", [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}],
+     {"chat_template": STRICT}, "conversations start with a user turn"),
+    ("single_turn", [{"role": "user", "content": 42}, {"role": "assistant", "content": "x"}],
+     {"single_turn": True}, "string content"),
+])
+def test_a_conversation_that_cannot_be_trained_on_is_an_invalid_record(tmp_path, kind, bad, fmt, says):
+    """Through the command line: under on_invalid: fail, exit 2 and one error: line naming the file
+    and line (no traceback); under skip, the cache is built without exactly that record (the others
+    as transformers renders them) and the skip is counted as the reader's invalid records are."""
+    from lm_pipeline.steps import Pipeline
+
+    tokdir = chat_tokenizer(tmp_path / "tok")
+    good = [CONVERSATIONS[0], CONVERSATIONS[2], CONVERSATIONS[3]]  # each starting with a user turn
+    data = write_chats(tmp_path / "chat.jsonl", [good[0], bad, *good[1:]])
+    experiment = _chat_experiment(tmp_path, tokdir, data, **fmt)
+    out = _cli(tmp_path, "cache", "--config_path", str(experiment))
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"{data} line 2" in errors[0] and says in errors[0], out.stderr[-3000:]
+    assert "on_invalid: skip" in errors[0]
+
+    out = _cli(tmp_path, "cache", "--config_path", str(experiment), "--data.on_invalid", "skip")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"{data}: skipped 1 conversation" in out.stderr, out.stderr[-3000:]
+    cache_art = Pipeline(load_config(experiment, ["--data.on_invalid", "skip"]), progress=False).cached("token_cache")
+    cache = open_cache(f"{cache_art.path}/train")
+    assert cache.num_docs == len(good)
+    if kind != "single_turn":  # the rendered conversations: transformers' ids and mask
+        off = cache.doc_offsets
+        for i, conv in enumerate(good):
+            ids, mask = hf_reference(tokdir, conv, fmt.get("chat_template", TEMPLATE))
+            assert cache.doc(i).tolist() == ids
+            assert cache.read_loss_mask(int(off[i]), int(off[i + 1])).tolist() == mask
+    # counted per reason in the shard's report, as the reader's invalid records are
+    from lm_pipeline.data.encode import DocumentEncoder
+
+    cfg = load_config(experiment, ["--data.on_invalid", "skip"])
+    shard = resolve_shards(cfg.data, "train")[0]
+    enc = DocumentEncoder(str(tokdir), chat=source_chat(cfg.data, str(tokdir)))
+    assert sum(len(p.doc_lengths) for p in enc.iter_shard(shard)) == len(good)
+    assert shard.last_report.skipped == {"bad_conversation": 1} and shard.last_report.valid == len(good)
+
+
+def test_a_bad_conversation_in_a_worker_process_is_the_same_record_error(tmp_path):
+    from lm_pipeline.data.validation import DataValidationError
+
+    tokdir = chat_tokenizer(tmp_path / "tok")
+    bad = [{"role": "user", "content": "alpha"}]
+    paths = [write_chats(tmp_path / "a.jsonl", CONVERSATIONS[:2]), write_chats(tmp_path / "b.jsonl", [CONVERSATIONS[2], bad])]
+    cfg = from_dict(DataConfig, {"train_urls": [str(p) for p in paths], "format": {"type": "chat"},
+                                 "tokenizer": {"kind": "hf", "name_or_path": str(tokdir)}})
+    with pytest.raises(DataValidationError) as e:
+        build_cache(str(tmp_path / "cache"), resolve_shards(cfg, "train"), str(tokdir), num_workers=2, progress=False,
+                    chat=source_chat(cfg, str(tokdir)))
+    assert e.value.source == str(paths[1]) and e.value.location == "line 2" and e.value.reason == "bad_conversation"
+
+
 def test_chat_records_that_are_no_conversation_are_named(tmp_path):
     from lm_pipeline.data.validation import DataValidationError
 

@@ -21,12 +21,16 @@ renders it here:
   (what the tokenizer adds, then EOS); the mask is 1 from the first token past the user text's
   own tokens on (the whole document when ``mask_user_turns: false``). No template.
 
-A conversation whose mask holds no 1 (no assistant text) is an error naming the shard and record.
+A conversation that cannot be trained on (its mask holds no 1: no assistant text; the template's
+``raise_exception(...)``; a single-turn message without string content) is an invalid record
+(``bad_conversation``, :meth:`ChatRenderer.check`): an error naming the file and line, or skipped
+and counted under ``data.on_invalid: skip``.
 Nothing is appended to a rendered conversation: it ends where the template ends it.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import re
@@ -178,15 +182,39 @@ class ChatRenderer:
         self.chat_tok.no_truncation()
         self.variables = _special_variables(tokenizer_dir)
         self._render: Callable | None = None
+        self._checked: collections.deque = collections.deque()  # (text, rendering) of check()
         if not settings.single_turn:
             if not settings.template:
                 raise ValueError("a chat source needs a chat template (format.chat_template)")
             self._render = _sandbox(settings.template)
 
+    def check(self, record_json: str) -> str | None:
+        """Why a conversation cannot be trained on (no assistant text, the template's
+        ``raise_exception(...)``, a single-turn message without string content, a template that
+        fails on it), or None: the record validation's further check (``bad_conversation``), so
+        such a record is named by file and line, or skipped and counted under ``on_invalid: skip``.
+        The rendering is kept for :meth:`encode` of the same text (valid texts come in order)."""
+        import jinja2
+
+        try:
+            out = self._encode(record_json)
+        except (ValueError, TypeError, KeyError, AttributeError, jinja2.TemplateError) as e:
+            kind = "the chat template raised" if isinstance(e, jinja2.TemplateError) else "it"
+            return f"the conversation cannot be trained on: {kind}: {' '.join(str(e).split())}"
+        self._checked.append((record_json, out))
+        return None
+
     def encode(self, record_json: str) -> tuple[list[int], np.ndarray, int]:
         """(ids, mask, bytes) of one conversation given as its messages' JSON text; bytes: the
         UTF-8 bytes of the text the masked-in tokens stand for (the assistant's text; all of the
         rendered text when ``mask_user_turns`` is false), for bits per byte."""
+        while self._checked:  # rendered by check(): valid texts come in the order checked
+            text, out = self._checked.popleft()
+            if text is record_json:
+                return out
+        return self._encode(record_json)
+
+    def _encode(self, record_json: str) -> tuple[list[int], np.ndarray, int]:
         messages = json.loads(record_json)
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         if self.settings.single_turn:

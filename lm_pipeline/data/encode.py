@@ -242,8 +242,23 @@ class DocumentEncoder:
 
     def iter_shard(self, shard: Shard) -> Iterator[EncodedShard]:
         """:meth:`iter_parts` over a shard's texts; errors name the shard."""
+        from lm_pipeline.data.validation import DataValidationError, ShardChangedError
+
         try:
-            yield from self.iter_parts(shard.iter_texts())
+            if self.chat is not None:  # a conversation that cannot be rendered: an invalid record
+                yield from self.iter_parts(shard.iter_texts(check=self.chat.check))
+                report = getattr(shard, "last_report", None)
+                bad = report.skipped.get("bad_conversation", 0) if report is not None else 0
+                if bad:
+                    import logging
+
+                    logging.getLogger(__name__).warning(
+                        "%s: skipped %d conversation(s) that cannot be trained on (data.on_invalid: skip)",
+                        getattr(shard, "url", shard.name), bad)
+            else:
+                yield from self.iter_parts(shard.iter_texts())
+        except (DataValidationError, ShardChangedError):
+            raise  # a user error naming the file and record
         except Exception as e:
             raise RuntimeError(f"tokenizing shard {shard.name!r} failed: {e}") from e
 
@@ -287,4 +302,8 @@ def worker_main(tokenizer_dir: str, info: TokenizerInfo, tasks: Any, results: An
     except Exception as e:  # reported to the builder, which raises it
         import traceback
 
-        results.put((index, "error", (str(e), traceback.format_exc())))
+        from lm_pipeline.data.validation import DataValidationError, ShardChangedError
+
+        # a data error crosses as itself (picklable), so the builder raises what a user fixes
+        user = e if isinstance(e, (DataValidationError, ShardChangedError)) else None
+        results.put((index, "error", (str(e), traceback.format_exc(), user)))

@@ -16,6 +16,10 @@ order (a record is reported under the first reason that applies):
 ``not_string``     the value under ``text_key`` is not a string (null, number, list, ...)
 ``empty``          the text is empty or only whitespace (while ``min_length >= 1``)
 ``too_short``      fewer than ``min_length`` characters after stripping whitespace
+``bad_conversation`` a chat source's conversation the chat template cannot render into something
+                   to train on (no assistant text, the template's ``raise_exception(...)``, a
+                   single-turn message without string content); checked by the cache builder,
+                   which renders it (see :mod:`lm_pipeline.data.chat`)
 =================  ===========================================================================
 
 Policy ``fail`` raises :class:`DataValidationError` for the first invalid record (lowest position
@@ -26,7 +30,7 @@ record and counts it per reason in the shard's :class:`ShardReport`; nothing is 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, NamedTuple
 
 REASONS: tuple[str, ...] = (
@@ -37,6 +41,7 @@ REASONS: tuple[str, ...] = (
     "not_string",
     "empty",
     "too_short",
+    "bad_conversation",
 )
 _PARSE_REASONS = frozenset({"bad_json", "invalid_utf8", "not_object"})
 
@@ -224,8 +229,12 @@ class RecordValidator:
         on_invalid: Literal["fail", "skip"],
         *,
         label: str | None = None,
+        check: Callable[[Any], str | None] | None = None,
     ):
         self.source = source
+        #: a further check of each record the schema passes: why it is invalid
+        #: (``bad_conversation``), or None
+        self.check = check
         self.text_key = text_key
         self.label = label if label is not None else repr(text_key)
         self.min_length = min_length
@@ -248,6 +257,8 @@ class RecordValidator:
             return f"{label} is not valid UTF-8 text (lone surrogate at character {bad})", skip
         if reason == "empty":
             return f"{label} is empty or only whitespace", skip + " (or data.min_length: 0 to keep them)"
+        if reason == "bad_conversation":
+            return rec.detail, skip
         if reason == "too_short":
             n = len(rec.value.strip())
             return (
@@ -319,6 +330,14 @@ class RecordValidator:
 
     def _flush(self, chunk: list[RawRecord], report: ShardReport) -> Iterator[str]:
         failures = self.check_chunk(chunk)
+        if self.check is not None:
+            for i, rec in enumerate(chunk):
+                if i in failures:
+                    continue
+                problem = self.check(rec.value)
+                if problem is not None:
+                    chunk[i] = rec._replace(detail=problem)
+                    failures[i] = "bad_conversation"
         if failures and self.on_invalid == "fail":
             first = min(failures)
             report.records += first

@@ -93,8 +93,10 @@ def _worker_parts(shards: Sequence[Shard], workers: int, tokenizer_dir: str, inf
             while True:
                 index, kind, payload = _receive(results[w], procs[w], shards[i])
                 if kind == "error":
-                    message, trace = payload
+                    message, trace, user = payload
                     log.debug("tokenizer worker %d failed:\n%s", w, trace)
+                    if user is not None:  # invalid data: the error that names the file and record
+                        raise user
                     raise RuntimeError(message)
                 if index != i:
                     raise RuntimeError(f"tokenizer worker {w} sent shard {index}, expected {i}")

@@ -183,16 +183,18 @@ class Shard:
             self._raw_sha256 = digest
             self._fingerprint = shard_fingerprint(self.settings, digest, self.hf)
 
-    def iter_texts(self, report: ShardReport | None = None) -> Iterator[str]:
+    def iter_texts(self, report: ShardReport | None = None, *, check=None) -> Iterator[str]:
         """The valid texts, in order. Invalid records raise (``fail``) or are counted (``skip``)
-        in ``report`` (a fresh :class:`ShardReport` if None; also kept as ``self.last_report``)."""
+        in ``report`` (a fresh :class:`ShardReport` if None; also kept as ``self.last_report``).
+        ``check``: a further check of each valid text (why it is invalid, or None; a chat
+        source's rendering, see :class:`~lm_pipeline.data.validation.RecordValidator`)."""
         report = report if report is not None else ShardReport(self.name)
         report.complete = False
         self.last_report = report
         s = self.settings
         source = self.url if self.hf is None else self.name
         label = "the text" if s.format == "text" else None
-        validator = RecordValidator(source, s.text_key, s.min_length, s.on_invalid, label=label)
+        validator = RecordValidator(source, s.text_key, s.min_length, s.on_invalid, label=label, check=check)
         yield from validator.iter_valid(self.iter_records(report), report)
         report.complete = True
 
