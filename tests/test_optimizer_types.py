@@ -269,3 +269,77 @@ def test_sophia_h_with_accumulation_estimates_the_hessian_on_the_whole_batch():
             assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(a) + 1e-12, step
     for a, b in zip(full, accum, strict=True):
         assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(a)
+
+
+def test_the_trainers_sophia_h_probe_is_drawn_fresh_per_step_from_the_run_key():
+    """Through the real train step (update_interval 1, beta2 0: h after step k is that step's estimate
+    alone): h equals u_k * (H_k u_k) recomputed here apart from the optimizer: H_k the Hessian of the
+    batch's mean next-token cross-entropy (a log-softmax of the model's logits) at the step's parameters,
+    its product with u_k by forward-over-reverse differentiation, and u_k the Gaussian probe of the
+    documented key fold_in(fold_in(run key, k), HUTCHINSON_STREAM) (one key per leaf, by split).
+    Successive estimates thus hold different probes: no step's h matches the previous step's probe,
+    nor one probe repeated for every step (the run key folded with the stream alone)."""
+    import equinox as eqx
+
+    from lm_pipeline.batch import LmBatch
+    from lm_pipeline.train.sharding import make_mesh
+    from lm_pipeline.train.sophia import SophiaState
+    from lm_pipeline.train.trainer import HUTCHINSON_STREAM, build_step_functions, put_batch
+
+    seq, vocab, rows = 16, 32, 4
+    cfg = load_config(None, {
+        "model.type": "llama", "model.seq_len": seq, "model.hidden_dim": 16, "model.num_heads": 2,
+        "model.num_kv_heads": 1, "model.intermediate_dim": 32, "model.num_layers": 1,
+        "model.gradient_checkpointing": False, "trainer.mp": "f32", "trainer.train_batch_size": rows,
+        "trainer.per_device_parallelism": -1, "trainer.progress": False, "optimizer.type": "sophia-h",
+        "optimizer.learning_rate": 1e-2, "optimizer.warmup": 0, "optimizer.update_interval": 1,
+        "optimizer.beta2": 0.0, "optimizer.gamma": 1e-2, "optimizer.weight_decay": 0.0})
+    plan = make_mesh(cfg.trainer, jax.devices()[:1])
+    fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=vocab, num_train_steps=10,
+                               plan=plan, has_segments=False)
+    state = fns.init(jax.random.key_data(jax.random.key(0)))
+    run_key = jax.random.wrap_key_data(np.asarray(state.key))
+    abstract = eqx.filter_eval_shape(cfg.model.build, vocab, key=jax.random.key(0))  # the model's structure
+    static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))[1]
+
+    def mean_xent(p, tokens):
+        logits = eqx.combine(p, static)(tokens, None, key=None, inference=True)
+        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+    @jax.jit
+    def u_hu_arrays(p, tokens, key):
+        leaves, treedef = jax.tree.flatten(p)
+        u = jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, jnp.float32)
+                                         for k, x in zip(jax.random.split(key, len(leaves)), leaves, strict=True)])
+        hu = jax.jvp(jax.grad(lambda q: mean_xent(q, tokens)), (p,), (u,))[1]
+        return [a * b for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(hu), strict=True)]
+
+    def u_hu(p, tokens, key):  # u * (H u) for the probe of `key`
+        return [np.asarray(x, np.float64) for x in u_hu_arrays(p, tokens, key)]
+
+    def close(a, b, rtol):
+        return all(np.linalg.norm(x - y) <= rtol * np.linalg.norm(x) for x, y in zip(a, b, strict=True))
+
+    def probe_key(k):
+        return jax.random.fold_in(jax.random.fold_in(run_key, k), HUTCHINSON_STREAM)
+
+    rng = np.random.default_rng(5)
+    for k in range(3):
+        tokens = rng.integers(0, vocab, (rows, seq)).astype(np.int32)
+        before = jax.tree.map(lambda x: jnp.array(np.asarray(x)), state.model)  # the step donates the state
+        state, _ = fns.train_step(state, *put_batch(LmBatch(tokens, None), plan))
+        (soph,) = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, SophiaState))
+                   if isinstance(s, SophiaState)]
+        h = [np.asarray(x, np.float64) for x in jax.tree.leaves(soph.h)]
+        assert int(soph.count) == k + 1 and sum(np.abs(x).sum() for x in h) > 0
+        want = u_hu(before, jnp.asarray(tokens), probe_key(k))
+        own = close(want, h, 1e-3)
+        assert own, f"step {k}: h is not the estimate of the step's own probe"
+        repeated = u_hu(before, jnp.asarray(tokens), jax.random.fold_in(run_key, HUTCHINSON_STREAM))
+        same = close(repeated, h, 0.5)
+        assert not same, f"step {k}: h is a repeated probe's estimate"
+        if k:
+            previous = u_hu(before, jnp.asarray(tokens), probe_key(k - 1))
+            stale = close(previous, h, 0.5)
+            assert not stale, f"step {k}: h holds step {k - 1}'s probe"
