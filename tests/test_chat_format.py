@@ -393,9 +393,11 @@ def _chat_experiment(tmp_path: Path, tokdir: Path, data: Path, **fmt) -> Path:
     return experiment
 
 
-def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def _cli(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    import os
+
     return subprocess.run([sys.executable, "-m", "lm_pipeline.cli", *args], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+                          timeout=300, cwd=tmp_path, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.parametrize("template_in", ["config", "tokenizer"])
@@ -478,6 +480,52 @@ def test_a_bad_conversation_in_a_worker_process_is_the_same_record_error(tmp_pat
         build_cache(str(tmp_path / "cache"), resolve_shards(cfg, "train"), str(tokdir), num_workers=2, progress=False,
                     chat=source_chat(cfg, str(tokdir)))
     assert e.value.source == str(paths[1]) and e.value.location == "line 2" and e.value.reason == "bad_conversation"
+
+
+def test_a_hub_tokenizer_artifact_stored_without_its_template_reads_it_from_the_source(tmp_path):
+    """A hub tokenizer's artifact built before the tokenizer stage copied the chat template (same
+    address: its code version is unchanged) has none: the template is read from the tokenizer's
+    source, here a hub repository in the local Hugging Face cache read offline, and the cache holds
+    transformers' ids and mask."""
+    src = chat_tokenizer(tmp_path / "src")
+    repo = tmp_path / "hf" / "hub" / "models--testorg--chat-tok"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (snap / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    conf = {**json.loads((src / "tokenizer_config.json").read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}
+    (snap / "tokenizer_config.json").write_text(json.dumps(conf))
+    (snap / "config.json").write_text(json.dumps({"model_type": "gpt2"}))  # AutoTokenizer reads it first
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+           "HF_HUB_CACHE": str(tmp_path / "hf" / "hub")}
+    data = write_chats(tmp_path / "chat.jsonl")
+    raw = pt.tiny_config(tmp_path)
+    raw["data"].update({"train_urls": [str(data)], "validation_urls": [], "format": {"type": "chat"},
+                        "tokenizer": {"kind": "hf", "name_or_path": "testorg/chat-tok"}})
+    experiment = tmp_path / "hub.yaml"
+    experiment.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    out = _cli(tmp_path, "cache", "--config_path", str(experiment), env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # the artifact as the former tokenizer stage stored it: no chat template; the cache rebuilt
+    (art,) = [p for p in (tmp_path / "store" / "tokenizer").iterdir() if not p.name.startswith(".")]
+    stored = json.loads((art / "tokenizer_config.json").read_text())
+    assert stored.pop("chat_template") == TEMPLATE
+    (art / "tokenizer_config.json").write_text(json.dumps(stored))
+    import shutil
+
+    shutil.rmtree(tmp_path / "store" / "token_cache")
+    out = _cli(tmp_path, "cache", "--config_path", str(experiment), env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tokenizer " in out.stderr and "cache hit" in out.stderr  # the old artifact, reused
+    (cache_dir,) = [p for p in (tmp_path / "store" / "token_cache").iterdir() if not p.name.startswith(".")]
+    cache = open_cache(str(cache_dir / "train"))
+    off = cache.doc_offsets
+    for i, conv in enumerate(CONVERSATIONS):
+        ids, mask = hf_reference(src, conv)
+        assert cache.doc(i).tolist() == ids
+        assert cache.read_loss_mask(int(off[i]), int(off[i + 1])).tolist() == mask
 
 
 def test_chat_records_that_are_no_conversation_are_named(tmp_path):

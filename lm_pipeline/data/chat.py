@@ -262,7 +262,8 @@ class ChatRenderer:
 
 
 
-def chat_settings(chat_cfg: Any, tokenizer_dir: str | None, *, where: str = "") -> ChatSettings:
+def chat_settings(chat_cfg: Any, tokenizer_dir: str | None, *, where: str = "",
+                  fallback: Callable[[], tuple[str | None, str]] | None = None) -> ChatSettings:
     """The :class:`ChatSettings` of a source's ``chat`` config with the tokenizer at
     ``tokenizer_dir`` (its template when the config gives none). Raises a one-line
     :class:`~lm_pipeline.schema.ConfigError` naming ``<where>chat.chat_template`` when there is
@@ -277,6 +278,8 @@ def chat_settings(chat_cfg: Any, tokenizer_dir: str | None, *, where: str = "") 
         if template is None and tokenizer_dir is not None:
             template = chat_template_of(tokenizer_dir)
             source = f"the tokenizer's chat template ({tokenizer_dir})"
+        if template is None and fallback is not None:  # (template, where it was read) elsewhere
+            template, source = fallback()
         if template is None:
             raise ConfigError(f"{where}chat.chat_template", f"is needed: the tokenizer ({tokenizer_dir}) has no chat "
                               "template (no chat_template in its tokenizer_config.json, no chat_template.jinja); set "
@@ -308,9 +311,29 @@ def source_chat(data_cfg: Any, tokenizer_dir: str | None) -> ChatSettings | None
     if chat_cfg is None:
         return None
     tok = data_cfg.tokenizer
+    fallback = None
     if tok.kind != "bpe" and tok.name_or_path and fs.exists(fs.join(tok.name_or_path, "tokenizer.json")):
         tokenizer_dir = tok.name_or_path
-    return chat_settings(chat_cfg, tokenizer_dir, where="data.")
+    elif tok.kind != "bpe" and tok.name_or_path:
+        # A hub tokenizer: its template is copied into the tokenizer artifact, but an artifact stored
+        # before the copy existed (the same address: the stage's code version was not bumped, which
+        # would move every experiment's tokenizer) has none: then it is read from the source.
+        def fallback() -> tuple[str | None, str]:
+            return source_template(tok), f"the tokenizer's chat template ({tok.name_or_path})"
+    return chat_settings(chat_cfg, tokenizer_dir, where="data.", fallback=fallback)
+
+
+def source_template(tok: Any) -> str | None:
+    """The chat template of a given (not trained) tokenizer read from its source, the way the
+    ``tokenizer`` stage reads it (:func:`lm_pipeline.data.tokenizer.load_hf_tokenizer`: a hub id
+    through ``transformers``, its revision, from the local Hugging Face cache when offline)."""
+    import tempfile
+
+    from lm_pipeline.data.tokenizer import load_hf_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="lm_pipeline_chat_template_") as tmp:
+        load_hf_tokenizer(tok.name_or_path, tmp, eos_token=tok.eos_token, revision=tok.revision)
+        return chat_template_of(tmp)
 
 
 def chat_template_problems(data_cfg: Any) -> list[Any]:
