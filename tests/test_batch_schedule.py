@@ -3,7 +3,11 @@ behaviour against a reference computed apart from the code under test:
 
 - the rows each step of a real training run reads, against a brute-force enumeration in NumPy
   (per-step sizes from a plain loop over the schedule, consecutive positions, the row order of a
-  position from the epoch permutation), also for a mixture and across an epoch boundary;
+  position from the epoch permutation), also for a mixture (its blocks, shares, phases and each
+  component's row order enumerated position by position from the documented rules) and across an
+  epoch boundary;
+- a constant two-entry schedule over a mixture, against the fixed-batch mixture a plain run reads
+  (rows, segment ids, length under each stop strategy);
 - the parameters after a schedule run with gradient accumulation, against a plain Optax Adam
   loop over the same model's loss (its logits, a log-softmax here) on the brute-force rows;
 - a run interrupted in the middle of its schedule and resumed, against the uninterrupted run;
@@ -14,6 +18,8 @@ behaviour against a reference computed apart from the code under test:
 
 from __future__ import annotations
 
+import hashlib
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -22,7 +28,7 @@ import optax
 import pytest
 from helpers.resume import assert_resumed_to, crash_after_step, params
 
-from lm_pipeline.batch import ArrayDataset, epoch_permutation
+from lm_pipeline.batch import ArrayDataset, LmBatch, epoch_permutation
 from lm_pipeline.config import load_config
 from lm_pipeline.data.mixture import MixtureBatchSource
 from lm_pipeline.fingerprint import semantic_view
@@ -191,7 +197,44 @@ def test_a_run_resumed_in_the_middle_of_its_schedule_equals_the_uninterrupted_on
     assert_resumed_to(clean.state, resumed.state, run_dir, "step-3")
 
 
+def component_seed_by_hand(seed: int, name: str) -> int:
+    """A component's row-order seed as documented (lm_pipeline.data.mixture.component_seed)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little")
+
+
+def mixture_rows_by_brute_force(names: list[str], lengths: dict[str, int], phases: list[tuple[int, dict]],
+                                block_size: int, seed: int, count: int) -> list[tuple[str, int]]:
+    """(component, row) of the run's positions 0..count-1, one position at a time, from the mixture's
+    documented rules: each phase (given by its first row) is cut into blocks of ``block_size`` rows from
+    that row (the last block before the next phase short); a block holds int(w / total * rows) rows of
+    each component and the rest goes to the one with the most (the first on a tie), laid out as
+    ``repeat(components, counts)`` in the block's seeded permutation; a component's j-th draw is row
+    j % n of its epoch j // n permutation under its own seed."""
+    starts = [row for row, _ in phases]
+    drawn = [n for n in names if any(w.get(n, 0) > 0 for _, w in phases)]
+    draws = dict.fromkeys(drawn, 0)
+    out = []
+    for pos in range(count):
+        q = max(i for i, row in enumerate(starts) if row <= pos)
+        weights = phases[q][1]
+        block = (pos - starts[q]) // block_size
+        first = starts[q] + block * block_size
+        size = min(block_size, (starts[q + 1] if q + 1 < len(starts) else first + block_size) - first)
+        total = sum(weights.values())
+        counts = [int(weights.get(n, 0) / total * size) for n in drawn]
+        largest = max((i for i, n in enumerate(drawn) if weights.get(n, 0) > 0), key=lambda i: (counts[i], -i))
+        counts[largest] += size - sum(counts)
+        order = np.random.Generator(np.random.PCG64([seed, 0xB10C, q, block])).permutation(size)
+        name = drawn[int(np.repeat(np.arange(len(drawn)), counts)[order][pos - first])]
+        j, n = draws[name], lengths[name]
+        draws[name] += 1
+        out.append((name, int(epoch_permutation(n, component_seed_by_hand(seed, name), j // n)[j % n])))
+    return out
+
+
 def test_a_mixture_reads_by_position_and_its_phases_start_at_the_steps_rows(tmp_path):
+    """What a real schedule run reads from each component, step by step, against the brute-force
+    mixture (no code of the mixture's), its phase given at step 3 starting at row 16."""
     datasets = {"a": Recording(17, seed=2), "b": Recording(11, seed=3)}
     weights = [[0, {"a": 0.75, "b": 0.25}], [3, {"a": 0.25, "b": 0.75}]]
     cfg = config(tmp_path, data={"configs": {"a": {"train_urls": ["a.jsonl"]}, "b": {"train_urls": ["b.jsonl"]}},
@@ -202,18 +245,69 @@ def test_a_mixture_reads_by_position_and_its_phases_start_at_the_steps_rows(tmp_
     # the phase given at step 3 starts at the row after steps 0..2's: 4 + 4 + 8
     phase_row = len([p for step in positions[:3] for p in step])
     assert phase_row == 16
-    reference = MixtureBatchSource({"a": ArrayDataset(datasets["a"].rows.ravel(), SEQ),
-                                    "b": ArrayDataset(datasets["b"].rows.ravel(), SEQ)},
-                                   [(0, weights[0][1]), (phase_row, weights[1][1])], 1, cfg.trainer.seed,
-                                   block_size=4)
+    drawn = mixture_rows_by_brute_force(["a", "b"], {"a": 17, "b": 11}, [(0, weights[0][1]), (phase_row, weights[1][1])],
+                                        4, cfg.trainer.seed, positions[-1][-1] + 1)
+    assert {r for n, r in drawn if n == "b"} == set(range(11))  # b runs past its first epoch
     got = {n: d.reads[1:] for n, d in datasets.items()}  # reads[0]: the look at step 0
     for k, step in enumerate(positions):
-        component, rows = reference.rows_at(step)
-        for c, name in enumerate(reference.names):
-            want = [int(r) for r in rows[component == c]]
+        for name in ("a", "b"):
+            want = [drawn[p][1] for p in step if drawn[p][0] == name]
             if want:
                 assert got[name].pop(0) == want, (k, name)
     assert got == {"a": [], "b": []}
+
+
+class Segmented(ArrayDataset):
+    """Rows with segment ids (two documents a row, split where the row's id says)."""
+
+    has_segments = True
+
+    def get_many(self, indices):
+        idx = np.asarray(indices, np.int64)
+        seg = np.where(np.arange(SEQ)[None, :] < (3 + idx[:, None] % (SEQ - 4)), 1, 2).astype(np.int32)
+        return LmBatch(self.rows[idx], seg)
+
+
+@pytest.mark.parametrize("data", [
+    {"stop_strategy": "restart"},
+    {"stop_strategy": "first_exhausted"},
+    {"stop_strategy": "all_exhausted", "shuffle": "era", "era_length": 4},
+], ids=["restart", "first_exhausted", "era"])
+def test_a_constant_schedule_over_a_mixture_reads_what_the_fixed_batch_mixture_reads(data):
+    """[{0: 6}, {3: 6}]: the scheduled mixture (as a schedule run builds it) reads, step by step, the
+    rows and segment ids the plain fixed-batch mixture of 6 (as a fixed-batch run builds it) reads, with
+    its phase at step 3 starting at row 18 (inside a block of 4: a short block ends the first phase),
+    over the same length; and both are the brute-force mixture's rows."""
+    from lm_pipeline.data.mixture import mixture_source
+    from lm_pipeline.train.batch_schedule import scheduled_mixture
+
+    B, lengths = 6, {"a": 17, "b": 11, "c": 9}
+    weights = [[0, {"a": 0.5, "b": 0.25, "c": 0.25}], [3, {"a": 0.25, "b": 0.75, "c": 0.0}]]
+    cfg = load_config(None, {"data.configs": {n: {"train_urls": [f"{n}.jsonl"]} for n in lengths},
+                             "data.train_weights": weights, "data.mixture_block_size": 4,
+                             **{f"data.{k}": v for k, v in data.items()},
+                             "trainer.train_batch_size": [{"start": 0, "value": B}, {"start": 3, "value": B}]})
+    sets = {n: Segmented(np.random.default_rng(i).integers(0, VOCAB, m * SEQ), SEQ) for i, (n, m) in enumerate(lengths.items())}
+    scheduled = scheduled_mixture(cfg.data, sets, cfg.trainer.batch_schedule, 0, process_index=0, process_count=1)
+    fixed = mixture_source(cfg.data, sets, B, 0, process_index=0, process_count=1)
+    assert scheduled.num_steps == fixed.num_steps
+    steps = 10 if fixed.num_steps is None else fixed.num_steps
+    assert steps >= 4  # past the phase at step 3
+    for k in range(steps):
+        got, want = scheduled.batch(k), fixed.batch(k)
+        np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=f"step {k}")
+        np.testing.assert_array_equal(got.segment_ids, want.segment_ids, err_msg=f"step {k}")
+        assert got.loss_mask is None and want.loss_mask is None
+        np.testing.assert_array_equal(np.stack(scheduled.global_rows(k)), np.stack(fixed.global_rows(k)))
+    if fixed.num_steps is not None:
+        for source in (scheduled, fixed):
+            with pytest.raises(IndexError, match="past the mixture's end"):
+                source.batch(fixed.num_steps)
+    if data.get("shuffle") != "era":  # the brute force knows the epoch order
+        drawn = mixture_rows_by_brute_force(list(lengths), lengths, [(0, weights[0][1]), (3 * B, weights[1][1])],
+                                            4, 0, steps * B)
+        rows = np.stack([sets[n].rows[r] for n, r in drawn])
+        np.testing.assert_array_equal(np.concatenate([fixed.batch(k).tokens for k in range(steps)]), rows)
 
 
 def test_run_lengths_from_tokens_and_epochs_sum_the_schedule():
