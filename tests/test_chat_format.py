@@ -135,7 +135,7 @@ def test_loader_rows_carry_each_conversations_ids_and_mask(tmp_path, pack):
     refs = [hf_reference(tokdir, c) for c in CONVERSATIONS]
     stream_ids = [t for ids, _ in refs for t in ids]
     stream_mask = [m for _, mask in refs for m in mask]
-    ds = CacheDataset(cache, T, "concat")  # a chat cache packs its own way whatever is asked
+    ds = CacheDataset(cache, T, "concat", chat_pack=pack)  # a chat cache packs its own way whatever is asked
     assert ds.packing == ("greedy" if pack else "single") and ds.has_loss_mask
     batch = ds.get_many(np.arange(len(ds)))
     seen_ids, seen_mask = [], []
@@ -610,8 +610,32 @@ def test_the_template_read_from_the_tokenizer_directory_enters_the_cache_address
     assert chat1["raw_shards"] == chat0["raw_shards"]
     assert chat1["token_cache"] != chat0["token_cache"] and chat1["train_ckpt"] != chat0["train_ckpt"]
     assert text1 == text0
-    packed = addresses(data, "--data.chat.pack", "false")
-    assert packed["raw_shards"] == chat1["raw_shards"] and packed["token_cache"] != chat1["token_cache"]
+    unmasked = addresses(data, "--data.chat.mask_user_turns", "false")
+    assert unmasked["raw_shards"] == chat1["raw_shards"] and unmasked["token_cache"] != chat1["token_cache"]
+
+
+def test_pack_is_decided_by_the_run_not_the_token_cache(tmp_path):
+    """format.pack changes how the run packs conversations into rows, not the tokens: two configs
+    differing only in it share the raw shards and the token cache (built once) and have different
+    train_ckpt addresses and run ids; each run reads the shared cache its own way."""
+    from lm_pipeline.steps import Pipeline
+
+    tokdir = chat_tokenizer(tmp_path / "tok")
+    exp = _chat_experiment(tmp_path, tokdir, write_chats(tmp_path / "chat.jsonl"))
+    pipes = {pack: Pipeline(load_config(exp, ["--data.chat.pack", str(pack).lower()]), progress=False)
+             for pack in (True, False)}
+    a, b = (pipes[p] for p in (True, False))
+    for stage in ("raw_shards", "tokenizer", "token_cache"):
+        assert a.address(stage).fingerprint == b.address(stage).fingerprint, stage
+    assert a.address("train_ckpt").fingerprint != b.address("train_ckpt").fingerprint
+    assert a.run_id() != b.run_id()
+    a.token_cache()
+    assert b.cached("token_cache") is not None  # the cache built for pack: true serves pack: false
+    for pack, pipe in pipes.items():
+        train = pipe.datasets()[0]
+        assert train.packing == ("greedy" if pack else "single") and train.has_loss_mask
+        seg = train.get_many(np.arange(len(train))).segment_ids
+        assert (seg.max(axis=1) > 1).any() == pack  # several conversations in a row only when packed
 
 
 def test_merged_part_caches_equal_one_build(tmp_path):

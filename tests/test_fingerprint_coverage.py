@@ -83,9 +83,11 @@ STAGE_OF: dict[str, str | None] = {
             "text_unit hf_id hf_name hf_split hf_validation_split hf_revision hf_data_files hf_streaming "
             "hf_shard_rows builtin builtin_max_bytes builtin_validation_fraction min_length on_invalid"),
     # a chat source (format: {type: chat}): how records are read (messages_field), then how they are
-    # rendered into tokens and the loss mask (the token cache's)
+    # rendered into tokens and the loss mask (the token cache's), then how conversations become
+    # rows (pack: read from the cache by the run, like data.packing)
     "data.chat.messages_field": "raw_shards",
-    **_each("token_cache", "data.chat.", "chat_template single_turn pack mask_user_turns"),
+    **_each("token_cache", "data.chat.", "chat_template single_turn mask_user_turns"),
+    "data.chat.pack": "train_ckpt",
     **_each("tokenizer", "data.tokenizer.", "kind vocab_size min_frequency special_tokens max_train_chars "
             "name_or_path revision eos_token"),
     # what determines the weights

@@ -42,8 +42,8 @@ import numpy as np
 
 from lm_pipeline import fs
 
-__all__ = ["ChatSettings", "GENERATION_TAG", "ChatRenderer", "chat_settings", "chat_template_of", "has_generation_tag",
-           "messages_problem"]
+__all__ = ["ChatSettings", "GENERATION_TAG", "ChatRenderer", "chat_pack", "chat_settings", "chat_template_of",
+           "has_generation_tag", "messages_problem"]
 
 MASK_DTYPE = np.uint8
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -79,9 +79,11 @@ class ChatSettings:
     messages_field: str = "messages"
 
     def ledger(self) -> dict[str, Any]:
-        """The ledger's ``settings.chat``: everything that changes the ids or the mask."""
+        """The ledger's ``settings.chat``: everything that changes the ids or the mask (not
+        ``pack``: how the rows are packed is decided when the cache is read, see
+        :func:`chat_pack`, so runs that differ only in it share the cache)."""
         return {"template_sha256": hashlib.sha256((self.template or "").encode()).hexdigest(),
-                "mask_user_turns": self.mask_user_turns, "single_turn": self.single_turn, "pack": self.pack,
+                "mask_user_turns": self.mask_user_turns, "single_turn": self.single_turn,
                 "messages_field": self.messages_field, "mask_dtype": np.dtype(MASK_DTYPE).name}
 
 
@@ -301,6 +303,13 @@ def chat_settings(chat_cfg: Any, tokenizer_dir: str | None, *, where: str = "",
                               "format.mask_user_turns: false")
     return ChatSettings(template, chat_cfg.mask_user_turns, chat_cfg.single_turn, chat_cfg.pack,
                         chat_cfg.messages_field)
+
+
+def chat_pack(source_cfg: Any) -> bool | None:
+    """A chat source's ``pack`` (whole conversations packed greedily, else one per row), read
+    when its cache is opened; None for a text source."""
+    chat_cfg = getattr(source_cfg, "chat", None)
+    return None if chat_cfg is None else bool(chat_cfg.pack)
 
 
 def source_chat(data_cfg: Any, tokenizer_dir: str | None) -> ChatSettings | None:

@@ -68,8 +68,10 @@ class CacheDataset:
         packing: ``concat``, ``greedy`` or ``first_fit`` (see :mod:`lm_pipeline.data.packing`);
             the layout is loaded from beside the cache, or derived and stored there. A chat
             source's cache packs its own way, whatever is given: whole conversations, ``greedy``
-            (``pack: true``) or one per row (``single``, ``pack: false``); its batches carry the
-            loss mask (:attr:`LmBatch.loss_mask`).
+            (``chat_pack`` true) or one per row (``single``, ``chat_pack`` false); its batches
+            carry the loss mask (:attr:`LmBatch.loss_mask`).
+        chat_pack: the chat source's ``pack`` (not in the cache: runs that differ in it share
+            the cache); None: true (or what a cache built before it left the ledger recorded).
         pad_id: token id of padding positions (greedy/first_fit); default: the cache's EOS.
     """
 
@@ -81,13 +83,15 @@ class CacheDataset:
         *,
         layout: PackedLayout | None = None,
         pad_id: int | None = None,
+        chat_pack: bool | None = None,
     ):
         if not isinstance(cache, TokenCache):
             cache = open_cache(cache)
         self.cache = cache
         self.seq_len = int(seq_len)
         if cache.chat is not None:  # conversations are never cut and concatenated
-            packing = "greedy" if cache.chat.get("pack", True) else "single"
+            pack = cache.chat.get("pack", True) if chat_pack is None else chat_pack
+            packing = "greedy" if pack else "single"
         self.packing = packing
         self.layout = layout if layout is not None else open_packing(cache, self.seq_len, packing)
         if (self.layout.strategy, self.layout.seq_len) != (packing, self.seq_len):
@@ -348,11 +352,13 @@ def open_dataset(
     packing: str = "concat",
     *,
     expected_tokenizer_fingerprint: str | None = None,
+    chat_pack: bool | None = None,
     **open_kwargs: Any,
 ) -> CacheDataset:
-    """Open a complete cache (checked as by :func:`open_cache`) and return its packed dataset."""
+    """Open a complete cache (checked as by :func:`open_cache`) and return its packed dataset
+    (``chat_pack``: a chat source's ``pack``, see :class:`CacheDataset`)."""
     cache = open_cache(cache_dir, expected_tokenizer_fingerprint, **open_kwargs)
-    return CacheDataset(cache, seq_len, packing)
+    return CacheDataset(cache, seq_len, packing, chat_pack=chat_pack)
 
 
 def make_batch_source(

@@ -223,6 +223,7 @@ def eval_datasets(cfg: RunConfig, tokenizer_dir: str, *, seq_len: int, train: bo
         info = tokenizer_info(tok)
         finder = _Finder(pipe, info)
         locations: dict[str, str] = {}
+        packs: dict[str, bool | None] = {}  # a chat set's pack (how its rows are packed)
         reused: dict[str, str] = {}
         built: list[str] = []
         training = training_splits(shards)  # 'train', or a mixture's '<component>/train'
@@ -231,6 +232,7 @@ def eval_datasets(cfg: RunConfig, tokenizer_dir: str, *, seq_len: int, train: bo
                 continue
             plan = shard_plan(split)
             chat = split_chat(cfg, name, tok)  # a chat set: rendered and masked as the training cache is
+            packs[name] = chat.pack if chat is not None else None
             hit = finder.find(plan, chat)
             if hit is not None:
                 locations[name], reused[name] = hit
@@ -253,6 +255,6 @@ def eval_datasets(cfg: RunConfig, tokenizer_dir: str, *, seq_len: int, train: bo
                 train_cache = hit[0]
                 log.info("eval: unigram baseline from %s", hit[1])
     packing = cfg.data.packing
-    datasets = {name: open_dataset(loc, seq_len, packing, expected_tokenizer_fingerprint=info.fingerprint)
-                for name, loc in locations.items()}
+    datasets = {name: open_dataset(loc, seq_len, packing, expected_tokenizer_fingerprint=info.fingerprint,
+                                   chat_pack=packs[name]) for name, loc in locations.items()}
     return EvalData(datasets, locations, tuple(built), train_cache, info.fingerprint, reused)

@@ -248,8 +248,12 @@ def open_datasets(cfg: RunConfig, cache: StageResult):
     if mixture.component_caches(cache) is not None:
         train, evals = mixture.open_component_datasets(cfg, cache)
     else:
-        train = open_dataset(f"{cache.path}/train", seq_len, packing)
-        evals = {name: open_dataset(f"{cache.path}/{name}", seq_len, packing) for name in splits if name != "train"}
+        from lm_pipeline.data.chat import chat_pack
+
+        pack = chat_pack(cfg.data)  # a chat source: how its conversations are packed (not in its cache)
+        train = open_dataset(f"{cache.path}/train", seq_len, packing, chat_pack=pack)
+        evals = {name: open_dataset(f"{cache.path}/{name}", seq_len, packing, chat_pack=pack)
+                 for name in splits if name != "train"}
     tok_dir = cache.manifest["tokenizer_path"]
     return train, evals, tok_dir, tokenizer_info(tok_dir).vocab_size
 

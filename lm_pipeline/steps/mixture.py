@@ -245,13 +245,15 @@ def train_caches(cache: StageResult) -> list[str]:
 
 def open_component_datasets(cfg: RunConfig, cache: StageResult):
     """({component: train dataset}, {'<component>/<set>': dataset}) of a mixture's ``token_cache``."""
+    from lm_pipeline.data.chat import chat_pack
     from lm_pipeline.data.loader import open_dataset
 
     seq_len, packing = cfg.model.seq_len, cfg.data.packing
     train, evals = {}, {}
     for split in cache.manifest["summary"].get("splits") or {}:
         name, own = parse_split_key(split)
-        ds = open_dataset(f"{cache.manifest['components'][name]['path']}/{own}", seq_len, packing)
+        ds = open_dataset(f"{cache.manifest['components'][name]['path']}/{own}", seq_len, packing,
+                          chat_pack=chat_pack(cfg.data.configs[name]))  # a chat component's pack
         if own == "train":
             train[name] = ds
         else:

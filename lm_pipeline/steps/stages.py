@@ -40,11 +40,12 @@ def _raw_shards_config(pipe: Pipeline) -> Any:
 
 
 def _token_cache_config(pipe: Pipeline) -> Any:
-    """A chat source's rendering (template, single turn, packing, loss mask); nothing for text."""
+    """A chat source's rendering (template, single turn, loss mask); nothing for text. Not its
+    ``pack``: the rows are packed when the cache is read (train_ckpt's config has it)."""
     chat = semantic_view(pipe.cfg.data).get("chat")
     if not isinstance(chat, dict):
         return {}
-    return {"chat": {k: v for k, v in chat.items() if k != "messages_field"}}
+    return {"chat": {k: v for k, v in chat.items() if k not in ("messages_field", "pack")}}
 
 
 def _raw_shards_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
@@ -83,7 +84,13 @@ def _tokenizer_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
 
 
 def _train_config(pipe: Pipeline) -> Any:
-    return {**run_semantics(pipe.cfg), "packing": pipe.cfg.data.packing}
+    conf = {**run_semantics(pipe.cfg), "packing": pipe.cfg.data.packing}
+    # a chat source's pack: how its conversations become rows (read from a cache that has none);
+    # absent without a chat source, so that text runs keep their addresses
+    packs = {where: src.chat.pack for where, src in pipe.cfg.data.chat_sources().items()}
+    if packs:
+        conf["chat_pack"] = packs
+    return conf
 
 
 def _train_sources(pipe: Pipeline, content: bool) -> dict[str, Any]:
