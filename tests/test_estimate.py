@@ -280,7 +280,7 @@ def batch_arg_shapes(compiled) -> list[tuple[tuple[int, ...], str]]:
 def test_xla_plan_compiles_the_schedules_largest_micro_batch_and_a_chat_loss_mask():
     """[{0: 8}, {100: 64}] with the whole batch per micro-batch: the compiled figure is the step of 64
     rows (the estimate's peak), not the first size's 8; a chat source's loss mask is a third int32
-    batch argument, counted in the arguments' bytes."""
+    batch argument, counted in the arguments' bytes (and in the estimate's batch)."""
     from lm_pipeline.estimate.xla_plan import compiled_train_step, planned_bytes
 
     seq = GPT2["model.seq_len"]
@@ -306,3 +306,5 @@ def test_xla_plan_compiles_the_schedules_largest_micro_batch_and_a_chat_loss_mas
     assert batch_arg_shapes(masked) == [((8, seq), "int32")] * 2  # tokens and the loss mask
     assert (masked.memory_analysis().argument_size_in_bytes
             - eight.memory_analysis().argument_size_in_bytes) == 8 * seq * 4
+    # the analytic estimate counts the loss mask alike
+    assert est(chat).batch - est(cfg_of(GPT2, trainer__train_batch_size=8)).batch == 8 * seq * 4

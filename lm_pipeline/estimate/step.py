@@ -3,8 +3,9 @@ from the config alone (no compilation, no device arrays).
 
 It resolves the mesh (``data x model``) and the micro-batching, then adds up the
 parameter-shaped state (:mod:`.parameters`), the traced activations with and without gradient
-checkpointing (:mod:`.activations`) and the batch: the int32 tokens (and segment ids) of one
-step. With accumulation (``accum > 1``) the micro-batch scan carries a second f32 gradient tree.
+checkpointing (:mod:`.activations`) and the batch: the int32 tokens (and segment ids, and a chat
+source's loss mask) of one step. With accumulation (``accum > 1``) the micro-batch scan carries a
+second f32 gradient tree.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def estimate(
     micro_batch_per_device: int | None = None,
     platform: str | None = None,
     segments: bool | None = None,
+    loss_mask: bool | None = None,
 ) -> Estimate:
     """Estimate parameters, FLOPs and per-device memory of ``cfg`` (a :class:`RunConfig`) on
     ``num_devices`` devices, without compiling anything.
@@ -41,6 +43,8 @@ def estimate(
     platform: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (default: JAX's default backend); on CPU,
         most saved bf16 tensors are counted as f32 (``docs/benchmarks.md``, Estimator calibration).
     segments: whether batches carry segment ids (default: ``data.packing`` is not ``concat``).
+    loss_mask: whether batches carry a loss mask (default: the data has a chat source, whose
+        rows train on the assistant's tokens only; the train step then takes the mask too).
     """
     tc, mc = cfg.trainer, cfg.model
     data_size = _data_parallel_size(num_devices, tc.model_axis_size)
@@ -51,6 +55,8 @@ def estimate(
     platform = (platform or jax.default_backend()).lower()
     if segments is None:
         segments = getattr(cfg.data, "packing", "concat") != "concat"
+    if loss_mask is None:
+        loss_mask = bool(getattr(cfg.data, "chat_sources", dict)())
     compute = jnp.dtype(tc.precision_for(platform).compute)  # `mp: auto` as a run on `platform` resolves it
     on_cpu = platform == "cpu"
     mem = parameter_memory(cfg, vocab, data_size=data_size, compute_dtype=compute, on_cpu=on_cpu)
@@ -81,7 +87,7 @@ def estimate(
         grad_accumulator=mem.gradients if accum > 1 else 0,
         compute_copy=mem.compute_copy,
         backward_gradients=mem.backward_gradients,
-        batch=_batch_bytes(tc.batch_schedule.max_size, data_size, mc.seq_len, segments),
+        batch=_batch_bytes(tc.batch_schedule.max_size, data_size, mc.seq_len, segments, loss_mask),
         update_buffer=mem.gradients if on_cpu else 0,  # fused into the update on accelerators
         activations_remat=acts[True],
         activations_no_remat=acts[False],
@@ -108,7 +114,7 @@ def _micro_batching(trainer_cfg: Any, data_size: int, micro_batch_per_device: in
                                       trainer_cfg.batch_schedule.max_size)
 
 
-def _batch_bytes(train_batch_size: int, data_size: int, seq_len: int, segments: bool) -> int:
-    """Bytes per device of one step's int32 tokens (and segment ids)."""
+def _batch_bytes(train_batch_size: int, data_size: int, seq_len: int, segments: bool, loss_mask: bool = False) -> int:
+    """Bytes per device of one step's int32 tokens (and segment ids, and a chat source's loss mask)."""
     rows = -(-train_batch_size // data_size)
-    return rows * seq_len * 4 * (2 if segments else 1)
+    return rows * seq_len * 4 * (1 + int(segments) + int(loss_mask))
