@@ -21,90 +21,17 @@ from lm_pipeline.schema import ConfigError, field, raise_problems
 from lm_pipeline.train.batch_schedule import BatchSchedule, BatchStep, normalize_schedule, schedule_problems
 from lm_pipeline.train.batch_split import batch_split_problem
 from lm_pipeline.train.checkpoint import CheckpointerConfig
+from lm_pipeline.train.precision import (  # noqa: F401  (re-exported: the trainer config's policy)
+    _DTYPES,
+    AUTO_MP,
+    MP_FOR_PLATFORM,
+    Precision,
+    parse_mp,
+    parse_mp_names,
+    resolve_mp,
+)
 from lm_pipeline.train.quantization import QuantizationConfig, device_fp8
 from lm_pipeline.train.trackers import TrackerConfig
-
-# Spelling -> JAX dtype name. Names, not dtypes, so that validating a config needs no JAX.
-_DTYPES = {
-    "f32": "float32",
-    "float32": "float32",
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "f16": "float16",
-    "float16": "float16",
-}
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Mixed precision policy: parameter, compute and output dtypes."""
-
-    param: Any
-    compute: Any
-    output: Any
-
-    @property
-    def uses_loss_scaling(self) -> bool:
-        import jax.numpy as jnp
-
-        return self.compute == jnp.float16
-
-
-#: ``trainer.mp: auto`` per platform: the faster policy measured on each (``docs/benchmarks.md``).
-#: CPUs compute in f32: XLA:CPU emulates bf16 matmuls by converting to f32 (no gain on the AVX2
-#: and AVX-512 machines measured, slower in this project's train step); GPUs and TPUs compute in
-#: bf16 with f32 parameters (their matrix units run bf16 at several times the f32 rate).
-AUTO_MP = "auto"
-MP_FOR_PLATFORM = {"cpu": "f32", "gpu": "p=f32,c=bfloat16", "tpu": "p=f32,c=bfloat16"}
-
-
-def resolve_mp(spec: str, platform: str | None = None) -> str:
-    """``spec`` itself, or for ``'auto'`` the policy of ``platform`` (default: the platform this
-    host trains on, :func:`lm_pipeline.hostinfo.detect_platform`): ``'f32'`` on CPU,
-    ``'p=f32,c=bfloat16'`` on GPU and TPU. Imports no JAX."""
-    if spec.strip().lower() != AUTO_MP:
-        return spec
-    from lm_pipeline.hostinfo import detect_platform, platform_from_env
-
-    name = detect_platform() if platform is None else platform_from_env(platform)  # 'cuda' -> 'gpu'
-    if name not in MP_FOR_PLATFORM:
-        raise ConfigError("", f"no automatic mixed precision for platform {platform!r}; set trainer.mp explicitly")
-    return MP_FOR_PLATFORM[name]
-
-
-def parse_mp(spec: str) -> Precision:
-    """Parse ``p=f32,c=bfloat16[,o=f32]`` (jmp style) or a single dtype name.
-
-    A single name sets the compute dtype; parameters stay f32 and outputs follow compute.
-    """
-    import jax.numpy as jnp  # here, not at the top: validating a config must not import JAX
-
-    return Precision(*(getattr(jnp, name) for name in parse_mp_names(spec)))
-
-
-def parse_mp_names(spec: str) -> tuple[str, str, str]:
-    """The (param, compute, output) dtype names of a :func:`parse_mp` policy, e.g.
-    ``'p=f32,c=bf16'`` -> ``('float32', 'bfloat16', 'bfloat16')``; ConfigError if malformed."""
-    spec = spec.strip()
-    if "=" not in spec:
-        if spec not in _DTYPES:
-            raise ConfigError("", f"unknown dtype {spec!r}; use one of f32, bf16, f16 or 'p=f32,c=bfloat16'")
-        c = _DTYPES[spec]
-        return "float32", c, c
-    parts: dict[str, str] = {}
-    names = {"p": "param", "params": "param", "c": "compute", "compute": "compute", "o": "output", "output": "output"}
-    for item in spec.split(","):
-        if "=" not in item:
-            raise ConfigError("", f"bad mixed precision item {item!r}; expected key=dtype, e.g. p=f32,c=bfloat16")
-        k, v = (s.strip() for s in item.split("=", 1))
-        if k not in names:
-            raise ConfigError("", f"unknown key {k!r} in mixed precision policy; use p, c, o")
-        if v not in _DTYPES:
-            raise ConfigError("", f"unknown dtype {v!r}; use one of {', '.join(sorted(_DTYPES))}")
-        parts[names[k]] = _DTYPES[v]
-    param = parts.get("param", "float32")
-    compute = parts.get("compute", param)
-    return param, compute, parts.get("output", compute)
 
 
 def check_run_id(run_id: str, path: str = "trainer.id") -> str:
