@@ -175,7 +175,7 @@ class DocumentEncoder:
 
     def _encode_chats(self, texts: list[str]) -> EncodedShard:
         ids, masks, nbytes = [], [], []
-        for k, text in enumerate(texts):
+        for text in texts:
             try:
                 i, m, b = self.chat.encode(text)
             except Exception as e:

@@ -118,10 +118,9 @@ def _tokenizer_check(pipe: Pipeline) -> None:
 def _train_check(pipe: Pipeline) -> None:
     """The checkpoints a run would load and the trackers it would start (a wandb tracker without an
     API key), all in one error, before any other stage is built; then some training text."""
+    from lm_pipeline.data.chat import chat_template_problems
     from lm_pipeline.schema import ConfigError, raise_problems
     from lm_pipeline.train.trackers import tracker_problems
-
-    from lm_pipeline.data.chat import chat_template_problems
 
     raise_problems([ConfigError(where, problem) for where, problem in
                     [*pipe.checkpoint_problems(), *tracker_problems(pipe.cfg.trainer.tracker)]]
