@@ -293,8 +293,11 @@ def test_config_defaults_and_semantics():
     assert isinstance(cfg, LlamaConfig) and cfg.num_kv_heads == 8 and cfg.head_size == 128
     for klass in (Gpt2Config, LlamaConfig):
         semantic = {f.name: f.metadata["semantic"] for f in dataclasses.fields(klass)}
-        assert [k for k, v in semantic.items() if not v] == ["gradient_checkpointing"]
-        assert "gradient_checkpointing" not in to_dict(klass(), semantic_only=True)
+        # how, not what: the layer remat and Levanter's compute-plan keys (docs/training.md)
+        how = {"gradient_checkpointing", "attn_backend", "flash_attention_block_size", "cross_entropy_block_size",
+               "scan_layers"}
+        assert {k for k, v in semantic.items() if not v} == how
+        assert not how & set(to_dict(klass(), semantic_only=True))
     with pytest.raises(ConfigError, match="hidden_dim"):
         Gpt2Config(hidden_dim=770).validate()
 
