@@ -72,15 +72,11 @@ def hints_from(model_config: Any) -> ComputeHints:
                         get("scan_layers"))
 
 
-_SAID: set[tuple[str, ...]] = set()
-
-
 def _say_once(*what: str) -> None:
-    """Log ``what[-1]`` once per process for the key ``what`` (plans are built by the trainer, each
-    evaluation and generation)."""
-    if what not in _SAID:
-        _SAID.add(what)
-        log.info("%s", what[-1])
+    """Log ``what[-1]`` once per process for the key ``what[:-1]`` (:func:`lm_pipeline.levanter.note`)."""
+    from lm_pipeline.levanter import note
+
+    note("compute:" + "|".join(what[:-1]), what[-1], logger=log)
 
 
 def levanter_attention(backend: str, platform: str) -> str:

@@ -179,12 +179,13 @@ def refusal(key: LevanterKey, path: str) -> str:
 _NOTED: set[str] = set()
 
 
-def note(path: str, text: str) -> None:
+def note(path: str, text: str, logger: logging.Logger = log) -> None:
     """Log ``text`` about the Levanter key at ``path`` once per process (a config may be loaded
-    several times: command line, Pipes child, plan)."""
+    several times: command line, Pipes child, plan; a plan is built by the trainer, each
+    evaluation and generation), on ``logger``."""
     if path not in _NOTED:
         _NOTED.add(path)
-        log.info("%s", text)
+        logger.info("%s", text)
 
 
 def mapped(data: dict, section: str) -> dict:

@@ -97,7 +97,7 @@ def test_attn_backend_picks_the_plans_attention_per_platform(monkeypatch, caplog
     tpu = {b: _plan({"model.attn_backend": b}, "tpu", jnp.bfloat16).attention for b in compute.LEVANTER_BACKENDS}
     assert set(tpu.values()) == {"xla"}
     # a backend without a kernel on the device: one log line
-    compute._SAID.clear()
+    levanter._NOTED.clear()
     caplog.clear()  # the lines of the plans above (captured when an earlier test set the root logger's level)
     with caplog.at_level("INFO", logger="lm_pipeline.compute"):
         _plan({"model.attn_backend": "splash"})
