@@ -7,6 +7,7 @@ trackers -> loop (step, log, eval, checkpoint, hooks) -> final checkpoint.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -38,6 +39,7 @@ from lm_pipeline.train.batch_schedule import (
 )
 from lm_pipeline.train.checkpoint import Checkpointer, latest_checkpoint
 from lm_pipeline.train.optim import all_finite
+from lm_pipeline.train.precompile import AheadStep
 from lm_pipeline.train.profiling import StepProfiler
 from lm_pipeline.train.runlog import setup_logging
 from lm_pipeline.train.sharding import MeshPlan, initialize_distributed, make_mesh
@@ -105,6 +107,7 @@ class _Run:
     fns: StepFunctions
     checkpointer: Checkpointer
     vocab_size: int = 0  # the model's embedding rows (the tokenizer's, or a Hugging Face start's padded ones)
+    first_batch: Any = None  # step 0's batch (host arrays): the shapes the train step is compiled for first
 
     @property
     def tokens_per_step(self) -> int:
@@ -151,6 +154,10 @@ def train(
     enable_xla_cache(cfg.store.root)  # compiled programs from an earlier run of these shapes: no recompiling
     run = _prepare(cfg, train_data, vocab_size, data_fingerprint, run_id, run_dir)
     cfg, tc, num_steps = run.cfg, run.cfg.trainer, run.num_steps
+    # The train step compiles on a thread while the state is initialised or restored.
+    first = step_args(run.fns, put_batch(run.first_batch, run.plan))
+    run.fns = dataclasses.replace(run.fns, train_step=AheadStep(run.fns.train_step, run.fns.abstract_state, first,
+                                                                run.plan.mesh))
     state, resume_path = _restore_or_init(run)
     start = int(state.step)
     tracker = build_tracker(tc.tracker, run_id=run.run_id, run_dir=run.run_dir, hparams=to_dict(cfg),
@@ -231,7 +238,7 @@ def _prepare(cfg: RunConfig, train_data: SequenceDataset | Mapping[str, Sequence
     fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=vocab_size, num_train_steps=num_steps,
                                plan=plan, has_segments=has_segments, has_loss_mask=has_loss_mask)
     checkpointer = _FiniteStateCheckpointer(cfg.trainer.checkpointer, base_path_override=run_dir)
-    return _Run(cfg, plan, num_steps, run_id, run_dir, source, fns, checkpointer, vocab_size)
+    return _Run(cfg, plan, num_steps, run_id, run_dir, source, fns, checkpointer, vocab_size, first)
 
 
 def _scheduled_source(cfg: RunConfig, train_data: SequenceDataset | Mapping[str, SequenceDataset]

@@ -47,6 +47,33 @@ def _resolve_workers(num_workers: int) -> int:
         return os.cpu_count() or 1
 
 
+#: With ``num_workers=0`` (all cores), inputs of known size below this many bytes are tokenized in
+#: the building process: a spawned worker's start-up (an interpreter, the tokenizer: ~1 s) costs
+#: more than it saves there, and the in-process tokenizer batches on all cores itself. A 3.5 MB
+#: corpus took 0.4 s in-process against 1.5 s with two workers (``docs/benchmarks.md``).
+SMALL_INPUT_BYTES = 8 << 20
+
+
+def input_bytes(shards: Sequence[Shard]) -> int | None:
+    """The shards' total size where every one's is known without reading it: bytes of local files,
+    characters of in-memory texts; None otherwise (object stores, Hugging Face datasets)."""
+    total = 0
+    for shard in shards:
+        texts = getattr(shard, "texts", None)
+        url = getattr(shard, "url", None)
+        if isinstance(texts, tuple):
+            total += sum(len(t) for t in texts)
+        elif isinstance(url, str) and getattr(shard, "hf", None) is None and os.path.isfile(_local_path(url)):
+            total += os.path.getsize(_local_path(url))
+        else:
+            return None
+    return total
+
+
+def _local_path(url: str) -> str:
+    return url[len("file://"):] if url.startswith("file://") else url
+
+
 # Encoded parts a worker may hold ready beyond the one being written, per worker: ~4 encode
 # batches make an 8 MB shard, so a worker can run about two such shards ahead of the writer.
 PARTS_AHEAD = 8
@@ -152,7 +179,8 @@ def build_cache(
         shards: picklable objects with ``.name``, ``.fingerprint`` and ``.iter_texts()``; their
             order is the documents' order in the cache.
         tokenizer_dir: directory with ``tokenizer.json`` and ``tokenizer_config.json`` (eos_token).
-        num_workers: tokenizer processes; 0 = all cores; 1 = tokenize in this process. Workers
+        num_workers: tokenizer processes; 0 = all cores (this process alone for an input of
+            known size under :data:`SMALL_INPUT_BYTES`); 1 = tokenize in this process. Workers
             are started with ``spawn`` (never ``fork``: TensorStore runs threads), so a script
             that builds with several workers needs the ``if __name__ == "__main__":`` guard.
         shard_group_size: shards per commit (the unit of resumption).
@@ -193,7 +221,8 @@ def build_cache(
             ledger, arrays = start_cache(root, info, plan, chat_ledger)
         else:
             arrays = open_arrays(root, chat=chat is not None)
-        _build(root, ledger, arrays, shards, tokenizer_dir, info, workers, shard_group_size, progress, chat)
+        _build(root, ledger, arrays, shards, tokenizer_dir, info, workers, shard_group_size, progress, chat,
+               auto_workers=num_workers == 0)
         finalize_cache(root, ledger, arrays)
     return ledger
 
@@ -209,8 +238,10 @@ def _build(
     group_size: int,
     progress: bool,
     chat: Any = None,
+    auto_workers: bool = False,
 ) -> None:
-    """Tokenize the shards past the ledger's committed ones and commit them in groups."""
+    """Tokenize the shards past the ledger's committed ones and commit them in groups (in this
+    process where ``auto_workers`` and the input is small: :data:`SMALL_INPUT_BYTES`)."""
     done = ledger["committed"]["shards"]
     todo = shards[done:]
     if not todo:
@@ -218,6 +249,9 @@ def _build(
     if done:
         log.info("%s: resuming the token cache build at shard %d of %d", root, done, len(shards))
     workers = min(workers, len(todo))
+    if auto_workers and workers > 1 and (size := input_bytes(todo)) is not None and size < SMALL_INPUT_BYTES:
+        log.debug("%s: %d bytes to tokenize: in this process", root, size)
+        workers = 1
     if workers <= 1:
         parts = _local_parts(todo, tokenizer_dir, info, chat)
     else:
