@@ -48,7 +48,7 @@ def test_initialisation_compiled_for_speed_computes_the_same_bits():
     default = jax.jit(fns.init.__wrapped__, out_shardings=fns.state_shardings)(key)
     a, b = _leaves(fns.init(key)), _leaves(default)
     assert len(a) == len(b) > 4
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape
         assert x.tobytes() == y.tobytes()
     assert any(np.abs(x).sum() > 0 for x in a if x.dtype == np.float32)  # real weights, not zeros
@@ -76,7 +76,7 @@ def test_train_step_compiled_ahead_runs_that_program_and_matches_the_jitted_step
     assert ahead.compile_s is not None and ahead.compile_s > 0
     assert fns2.train_step._cache_size() == 0  # every step ran the program compiled ahead, none compiled here
     assert losses == ref_losses
-    for x, y in zip(state, ref_state):
+    for x, y in zip(state, ref_state, strict=True):
         assert np.array_equal(x, y)
     assert losses[4] < losses[2] < losses[0]
 
@@ -92,7 +92,7 @@ def test_a_batch_of_other_shapes_goes_to_the_jitted_step():
     state, m = ahead(state, *step_args(fns, put_batch(short, plan)))
     assert fns.train_step._cache_size() == 1  # compiled for the new shapes on this call
     assert float(m["train/loss"]) == float(ref_m["train/loss"])
-    for x, y in zip(_leaves(state), _leaves(ref_state)):
+    for x, y in zip(_leaves(state), _leaves(ref_state), strict=True):
         assert np.array_equal(x, y)
 
 
