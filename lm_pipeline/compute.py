@@ -153,6 +153,9 @@ class ComputePlan:
         fp8: projections multiply fp8 values (:func:`lm_pipeline.fp8.fp8_dense`; training with
             ``trainer.quantization.fp8`` on a GPU with fp8 matmuls). The LM head and attention
             keep the compute dtype.
+        matmul_operands: None, or the dtype the projections' and the LM head's operands are
+            rounded to (``trainer.mp``'s ``m=``): products accumulate in float32 and return in
+            the compute dtype. Attention and the elementwise work keep the compute dtype.
     """
 
     platform: str = "any"
@@ -168,6 +171,7 @@ class ComputePlan:
     head_chunk_rows: int = 0
     layer_loop: Literal["auto", "scan", "unroll"] = "auto"
     fp8: bool = False
+    matmul_operands: Any = None
 
     # --- what the models call -----------------------------------------------------------------
 
@@ -180,8 +184,8 @@ class ComputePlan:
         if self.matmul == "cpu":
             from lm_pipeline.kernels.cpu import matmul
 
-            return matmul.dense(x, w)
-        return jnp.einsum("...k,kn->...n", x, w)
+            return matmul.dense(x, w, self.matmul_operands)
+        return _einsum_in("...k,kn->...n", x, w, self.matmul_operands)
 
     def add_bias(self, y: jax.Array, b: jax.Array | None) -> jax.Array:
         """``y + b`` with ``b`` broadcast over ``y``'s leading axes (``y`` itself if ``b`` is None).
@@ -204,9 +208,9 @@ class ComputePlan:
         if self.matmul == "cpu":
             from lm_pipeline.kernels.cpu import matmul
 
-            logits = matmul.lm_logits(x, wp)
+            logits = matmul.lm_logits(x, wp, self.matmul_operands)
         else:
-            logits = jnp.einsum("btd,vd->btv", x, wp)
+            logits = _einsum_in("btd,vd->btv", x, wp, self.matmul_operands)
         return logits if pad == 0 else logits[..., : w.shape[0]]
 
     def causal_attention(
@@ -273,7 +277,16 @@ class ComputePlan:
         """The ``cpu_fused_head`` loss: ``sum(mask * xent(hidden @ headᵀ, targets))`` in f32."""
         from lm_pipeline.kernels.cpu import fused_head_loss
 
-        return fused_head_loss.fused_head_xent_sum(hidden, head, targets, mask, chunk_rows=self.head_chunk_rows or None)
+        return fused_head_loss.fused_head_xent_sum(hidden, head, targets, mask, chunk_rows=self.head_chunk_rows or None,
+                                                   operands=self.matmul_operands)
+
+
+def _einsum_in(spec: str, a: jax.Array, b: jax.Array, operands: Any) -> jax.Array:
+    """``einsum(spec, a, b)``; with ``operands`` (a dtype) the operands are rounded to it and the
+    product, accumulated in float32, returns in ``a``'s dtype."""
+    if operands is None:
+        return jnp.einsum(spec, a, b)
+    return jnp.einsum(spec, a.astype(operands), b.astype(operands), preferred_element_type=jnp.float32).astype(a.dtype)
 
 
 REFERENCE = ComputePlan()

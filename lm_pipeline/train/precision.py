@@ -23,11 +23,14 @@ _DTYPES = {
 
 @dataclass(frozen=True)
 class Precision:
-    """Mixed precision policy: parameter, compute and output dtypes."""
+    """Mixed precision policy: parameter, compute and output dtypes; ``matmul``: the dtype the
+    projections' and the LM head's operands are rounded to (products accumulate in float32 and
+    return in the compute dtype), None for the compute dtype itself."""
 
     param: Any
     compute: Any
     output: Any
+    matmul: Any = None
 
     @property
     def uses_loss_scaling(self) -> bool:
@@ -60,35 +63,54 @@ def resolve_mp(spec: str, platform: str | None = None) -> str:
 
 
 def parse_mp(spec: str) -> Precision:
-    """Parse ``p=f32,c=bfloat16[,o=f32]`` (jmp style) or a single dtype name.
+    """Parse ``p=f32,c=bfloat16[,o=f32][,m=bf16]`` (jmp style, plus ``m``) or a single dtype name.
 
     A single name sets the compute dtype; parameters stay f32 and outputs follow compute.
+    ``m`` (``matmul``) rounds the operands of the projections and the LM head to that dtype while
+    everything else computes in ``c``: ``p=f32,c=f32,m=bf16`` is what ``torch.autocast`` does to a
+    CPU model's linear layers (bf16 operands, float32 elsewhere), and on CPUs with bf16 dot
+    instructions (AVX512-BF16, AMX) it is this trainer's fastest policy (``docs/benchmarks.md``).
     """
     import jax.numpy as jnp  # here, not at the top: validating a config must not import JAX
 
-    return Precision(*(getattr(jnp, name) for name in parse_mp_names(spec)))
+    names = _parse(spec)
+    matmul = names.get("matmul")
+    compute = names["compute"]
+    return Precision(getattr(jnp, names["param"]), getattr(jnp, compute), getattr(jnp, names["output"]),
+                     None if matmul in (None, compute) else getattr(jnp, matmul))
 
 
 def parse_mp_names(spec: str) -> tuple[str, str, str]:
     """The (param, compute, output) dtype names of a :func:`parse_mp` policy, e.g.
     ``'p=f32,c=bf16'`` -> ``('float32', 'bfloat16', 'bfloat16')``; ConfigError if malformed."""
+    names = _parse(spec)
+    return names["param"], names["compute"], names["output"]
+
+
+def _parse(spec: str) -> dict[str, str]:
     spec = spec.strip()
     if "=" not in spec:
         if spec not in _DTYPES:
             raise ConfigError("", f"unknown dtype {spec!r}; use one of f32, bf16, f16 or 'p=f32,c=bfloat16'")
         c = _DTYPES[spec]
-        return "float32", c, c
+        return {"param": "float32", "compute": c, "output": c}
     parts: dict[str, str] = {}
-    names = {"p": "param", "params": "param", "c": "compute", "compute": "compute", "o": "output", "output": "output"}
+    names = {"p": "param", "params": "param", "c": "compute", "compute": "compute", "o": "output", "output": "output",
+             "m": "matmul", "matmul": "matmul"}
     for item in spec.split(","):
         if "=" not in item:
             raise ConfigError("", f"bad mixed precision item {item!r}; expected key=dtype, e.g. p=f32,c=bfloat16")
         k, v = (s.strip() for s in item.split("=", 1))
         if k not in names:
-            raise ConfigError("", f"unknown key {k!r} in mixed precision policy; use p, c, o")
+            raise ConfigError("", f"unknown key {k!r} in mixed precision policy; use p, c, o, m")
         if v not in _DTYPES:
             raise ConfigError("", f"unknown dtype {v!r}; use one of {', '.join(sorted(_DTYPES))}")
         parts[names[k]] = _DTYPES[v]
     param = parts.get("param", "float32")
     compute = parts.get("compute", param)
-    return param, compute, parts.get("output", compute)
+    out = {"param": param, "compute": compute, "output": parts.get("output", compute)}
+    if "matmul" in parts:
+        if parts["matmul"] == "float16" and compute != "float16":
+            raise ConfigError("", "m=f16 needs c=f16 (float16 operands need loss scaling); use m=bf16")
+        out["matmul"] = parts["matmul"]
+    return out

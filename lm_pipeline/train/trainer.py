@@ -199,6 +199,8 @@ def build_step_functions(
                                 hints=hints_from(model_cfg))
         if trainer_cfg.quantization is not None and trainer_cfg.quantization.fp8:
             compute = dataclasses.replace(compute, fp8=True)  # checked against the device before this
+        if precision.matmul is not None:  # trainer.mp's m=: the projections' and the head's operand dtype
+            compute = dataclasses.replace(compute, matmul_operands=precision.matmul)
     lay = _layout(model_cfg, opt_cfg, precision, vocab_size, num_train_steps, plan)
     dropout_active = any(getattr(model_cfg, n, 0.0) > 0 for n in ("embed_pdrop", "resid_pdrop", "attn_pdrop"))
     ctx = _StepContext(lay, compute, precision, micro, accum, plan, dropout_active, trainer_cfg.z_loss_weight,

@@ -17,7 +17,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from lm_pipeline.kernels.cpu.matmul import xt_g
+from lm_pipeline.kernels.cpu.matmul import round_to, xt_g
 
 HEAD_CHUNK_ROWS = 512
 """Token rows (batch x positions) per chunk: a chunk's ``[rows, vocab]`` logits, probabilities
@@ -35,32 +35,36 @@ def head_chunks(batch: int, seq_len: int, rows: int | None = None) -> tuple[tupl
 
 
 def fused_head_xent_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array, *,
-                        chunk_rows: int | None = None) -> jax.Array:
+                        chunk_rows: int | None = None, operands=None) -> jax.Array:
     """``sum(mask * cross_entropy(hidden @ headᵀ, targets))`` in f32 nats.
 
     ``targets`` int ``[B, T]`` and ``mask`` f32 ``[B, T]`` get no gradient; ``hidden`` and
     ``head`` get exact gradients up to float rounding. ``chunk_rows``: token rows per chunk
-    (None: :data:`HEAD_CHUNK_ROWS`; Levanter's ``cross_entropy_block_size``).
+    (None: :data:`HEAD_CHUNK_ROWS`; Levanter's ``cross_entropy_block_size``). ``operands``: None,
+    or the dtype the head's products round their operands to (``trainer.mp``'s ``m=``; float32
+    accumulation, float32 softmax).
     """
-    return _fused_head_xent(hidden, head, targets, mask, head_chunks(*targets.shape, rows=chunk_rows))
+    return _fused_head_xent(hidden, head, targets, mask, head_chunks(*targets.shape, rows=chunk_rows), operands)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fused_head_xent(hidden, head, targets, mask, bounds):
-    return _head_xent_chunks(hidden, head, targets, mask, bounds, grads=False)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_head_xent(hidden, head, targets, mask, bounds, operands=None):
+    return _head_xent_chunks(hidden, head, targets, mask, bounds, operands, grads=False)[0]
 
 
-def _head_xent_chunks(hidden, head, targets, mask, bounds, *, grads: bool):
+def _head_xent_chunks(hidden, head, targets, mask, bounds, operands=None, *, grads: bool):
     f32 = jnp.float32
     total = jnp.zeros((), f32)
     d_hidden, d_head_t = [], None
+    head_in = round_to(head, operands)
     for t0, t1 in bounds:
         h = hidden[:, t0:t1]
         if t0 > 0:  # chunks in order, one at a time: the next starts when this one's results exist
             h, total, d_head_t, d_hidden = jax.lax.optimization_barrier((h, total, d_head_t, d_hidden))
         tgt, m = targets[:, t0:t1], mask[:, t0:t1]
         # f32 logits from compute-dtype operands (bf16 x bf16 -> f32: YNNPACK's bf16 kernels)
-        lf = jnp.einsum("btd,vd->btv", h, head, preferred_element_type=f32)
+        hl = round_to(h, operands)
+        lf = jnp.einsum("btd,vd->btv", hl, head_in, preferred_element_type=f32)
         mx = jnp.max(lf, axis=-1)
         mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
         e = jnp.exp(lf - mx[..., None])
@@ -69,21 +73,21 @@ def _head_xent_chunks(hidden, head, targets, mask, bounds, *, grads: bool):
         total = total + jnp.sum((mx + jnp.log(z) - picked) * m)
         if grads:
             onehot = jnp.arange(head.shape[0], dtype=tgt.dtype) == tgt[..., None]
-            dl = ((e / z[..., None] - onehot.astype(f32)) * m[..., None]).astype(h.dtype)
-            d_hidden.append(jnp.einsum("btv,vd->btd", dl, head, preferred_element_type=f32).astype(h.dtype))
-            part = xt_g(h.reshape(-1, h.shape[-1]), dl.reshape(-1, dl.shape[-1])).astype(f32)  # [D, V]
+            dl = ((e / z[..., None] - onehot.astype(f32)) * m[..., None]).astype(hl.dtype)
+            d_hidden.append(jnp.einsum("btv,vd->btd", dl, head_in, preferred_element_type=f32).astype(h.dtype))
+            part = xt_g(hl.reshape(-1, h.shape[-1]), dl.reshape(-1, dl.shape[-1])).astype(f32)  # [D, V]
             d_head_t = part if d_head_t is None else d_head_t + part
     if not grads:
         return total, None
     return total, (jnp.concatenate(d_hidden, axis=1), d_head_t)
 
 
-def _fused_head_xent_fwd(hidden, head, targets, mask, bounds):
-    total, (d_hidden, d_head_t) = _head_xent_chunks(hidden, head, targets, mask, bounds, grads=True)
+def _fused_head_xent_fwd(hidden, head, targets, mask, bounds, operands):
+    total, (d_hidden, d_head_t) = _head_xent_chunks(hidden, head, targets, mask, bounds, operands, grads=True)
     return total, (d_hidden, d_head_t, jnp.zeros((), head.dtype))
 
 
-def _fused_head_xent_bwd(bounds, res, g):
+def _fused_head_xent_bwd(bounds, operands, res, g):
     d_hidden, d_head_t, head_dtype = res
     return (g * d_hidden).astype(d_hidden.dtype), (g * d_head_t.T).astype(head_dtype.dtype), None, None
 

@@ -10,6 +10,7 @@ transposes the smaller operand into its own buffer first (``docs/benchmarks.md``
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -33,20 +34,31 @@ def _einsum(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=_accumulation(a, b)).astype(dtype)
 
 
-@jax.custom_vjp
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x [..., K] @ w [K, N] -> [..., N]``; the weight gradient goes through :func:`xt_g`."""
-    return _einsum("...k,kn->...n", x, w, jnp.result_type(x, w))
+def round_to(x: jax.Array, operands) -> jax.Array:
+    """``x`` as a matmul operand: rounded to ``operands`` (a dtype; ``trainer.mp``'s ``m=``), or
+    itself when None."""
+    return x if operands is None or x.dtype == operands else x.astype(operands)
 
 
-def _matmul_fwd(x, w):
-    return matmul(x, w), (x, w)
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def matmul(x: jax.Array, w: jax.Array, operands=None) -> jax.Array:
+    """``x [..., K] @ w [K, N] -> [..., N]``; the weight gradient goes through :func:`xt_g`.
+
+    ``operands``: None, or the dtype both operands are rounded to in this product and in its two
+    gradient products (which accumulate in float32); the result and the gradients keep the
+    inputs' dtypes."""
+    return _einsum("...k,kn->...n", round_to(x, operands), round_to(w, operands), jnp.result_type(x, w))
 
 
-def _matmul_bwd(res, g):
+def _matmul_fwd(x, w, operands):
+    return matmul(x, w, operands), (x, w)
+
+
+def _matmul_bwd(operands, res, g):
     x, w = res
-    dx = _einsum("...n,kn->...k", g, w, x.dtype)
-    dw = xt_g(x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]))
+    gl = round_to(g, operands)
+    dx = _einsum("...n,kn->...k", gl, round_to(w, operands), x.dtype)
+    dw = xt_g(round_to(x, operands).reshape(-1, x.shape[-1]), gl.reshape(-1, g.shape[-1]))
     return dx, dw.astype(w.dtype)
 
 
@@ -66,10 +78,10 @@ def xt_g(x: jax.Array, g: jax.Array) -> jax.Array:
     return jnp.matmul(jax.lax.optimization_barrier(g.T), x, preferred_element_type=acc).T
 
 
-def dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    """A projection ``x [..., K] @ w [K, N]`` through :func:`matmul`, its output named
-    :data:`DENSE_OUT` for the remat policy."""
-    return checkpoint_name(matmul(x, w), DENSE_OUT)
+def dense(x: jax.Array, w: jax.Array, operands=None) -> jax.Array:
+    """A projection ``x [..., K] @ w [K, N]`` through :func:`matmul` (``operands``: its operand
+    dtype), its output named :data:`DENSE_OUT` for the remat policy."""
+    return checkpoint_name(matmul(x, w, operands), DENSE_OUT)
 
 
 @jax.custom_vjp
@@ -97,11 +109,11 @@ def _add_bias_bwd(b, g):
 add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 
 
-def lm_logits(x: jax.Array, w: jax.Array) -> jax.Array:
+def lm_logits(x: jax.Array, w: jax.Array, operands=None) -> jax.Array:
     """Logits ``x [B, T, D] @ w [V, D]ᵀ -> [B, T, V]``. The weight gradient is computed as
     ``(xᵀ g)ᵀ``: ``g``, the largest array of a small model's step, is read as it lies and only
-    the ``[D, V]`` result is transposed."""
-    return matmul(x, w.T)
+    the ``[D, V]`` result is transposed. ``operands``: as :func:`matmul`'s."""
+    return matmul(x, w.T, operands)
 
 
 def matmuls_and_attention_saveable() -> Callable[..., bool]:
