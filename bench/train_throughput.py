@@ -11,6 +11,9 @@ not on embeddings/biases/norms; global-norm gradient clipping at 1.0), f32 param
 * ``torch_f32`` / ``torch_bf16``: ``transformers.GPT2LMHeadModel`` (SDPA attention) with
   ``loss.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW`` (foreach), eager; bf16 is
   ``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward and loss.
+* ``jax_bf16mm``: ``trainer.mp: p=f32,c=f32,m=bf16``: float32 everywhere but the projections' and
+  the LM head's operands, rounded to bf16 (float32 accumulation): what autocast does to the
+  linear layers, so ``bf16mm`` (it over ``torch_bf16``) is the like-for-like bf16 ratio.
 
 Shapes (vocab 8192 for both)::
 
@@ -70,7 +73,7 @@ SHAPES = {
     "tiny": Shape(layers=4, heads=4, width=128, ctx=64, batch=12),
     "medium": Shape(layers=6, heads=6, width=384, ctx=256, batch=8),
 }
-VARIANTS = ("jax_f32", "torch_f32", "jax_bf16", "torch_bf16")
+VARIANTS = ("jax_f32", "torch_f32", "jax_bf16", "torch_bf16", "jax_bf16mm")
 
 
 def token_batches(shape: Shape, n: int = 4, seed: int = 0):
@@ -184,6 +187,8 @@ def make_runner(name: str, shape: Shape):
         return JaxRunner(shape, "f32")
     if name == "jax_bf16":
         return JaxRunner(shape, "p=f32,c=bfloat16")
+    if name == "jax_bf16mm":
+        return JaxRunner(shape, "p=f32,c=f32,m=bf16")
     if name == "torch_f32":
         return TorchRunner(shape, bf16=False)
     if name == "torch_bf16":
@@ -267,6 +272,9 @@ PAIRS = {  # ratio name -> (numerator, denominator)
     "f32": ("jax_f32", "torch_f32"),
     "bf16": ("jax_bf16", "torch_bf16"),
     "bf16_vs_torch_f32": ("jax_bf16", "torch_f32"),
+    "bf16mm": ("jax_bf16mm", "torch_bf16"),
+    "bf16_vs_own_f32": ("jax_bf16", "jax_f32"),
+    "bf16mm_vs_own_f32": ("jax_bf16mm", "jax_f32"),
 }
 
 
@@ -301,7 +309,8 @@ def print_table(results: dict, rat: dict) -> None:
     print()
     print(f"{'shape':<8} {'ratio':<34} {'median':>7} {'per-round range':>17} {'best/best':>10}")
     labels = {"f32": "JAX f32 / torch f32", "bf16": "JAX bf16 / torch bf16-autocast",
-              "bf16_vs_torch_f32": "JAX bf16 / torch f32"}
+              "bf16_vs_torch_f32": "JAX bf16 / torch f32", "bf16mm": "JAX bf16 matmuls / torch autocast",
+              "bf16_vs_own_f32": "JAX bf16 / JAX f32", "bf16mm_vs_own_f32": "JAX bf16 matmuls / JAX f32"}
     for shape_name, rs in rat.items():
         for key, r in rs.items():
             print(f"{shape_name:<8} {labels[key]:<34} {r['ratio']:>7.2f} {r['round_min']:>8.2f}-{r['round_max']:<8.2f} {r['best']:>10.2f}")
@@ -369,7 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "ratio": round(min(equal.values()), 4),
         **{k: round(v, 4) for k, v in equal.items()},
-        **{f"{s}_bf16_vs_torch_f32": round(rat[s]["bf16_vs_torch_f32"]["ratio"], 4) for s in shapes},
+        **{f"{s}_{k}": round(rat[s][k]["ratio"], 4) for s in shapes
+           for k in ("bf16_vs_torch_f32", "bf16mm", "bf16_vs_own_f32", "bf16mm_vs_own_f32")},
         "ratio_round_range": {f"{s}_{k}": [round(rat[s][k]["round_min"], 3), round(rat[s][k]["round_max"], 3)] for s in shapes for k in PAIRS},
         "tokens_per_s": {s: {n: {k: round(v, 1) for k, v in results[s]["tokens_per_s"][n].items()} for n in VARIANTS} for s in shapes},
         "compile_s": {s: {n: round(v, 2) for n, v in results[s]["compile_s"].items()} for s in shapes},
