@@ -67,7 +67,8 @@ it (the discarded runs are listed). Steady GFLOP/s = the model's training FLOPs 
 
 ``--ours NAME:key=value,...`` (repeatable) defines a variant of our settings; keys: ``vocab``
 (BPE size), ``batch`` (rows per step; steps follow from the tokens), ``lr``, ``mp``
-(``trainer.mp``: auto = f32 on CPU, or bf16 = ``p=f32,c=bfloat16``), ``workers``
+(``trainer.mp``: auto = f32 on CPU, bf16 = ``p=f32,c=bfloat16``, or bf16mm = ``p=f32,c=f32,m=bf16``:
+bf16 matmul operands, float32 elsewhere), ``workers``
 (``data.num_workers``), ``eval_batch`` (``trainer.per_device_eval_parallelism``), ``tokens``
 (another number of training tokens: such a row is not like-for-like and never meets the target), or any dotted
 config field (``optimizer.warmup=0.1``). The first variant is the one the ``ratio`` is about.
@@ -232,6 +233,10 @@ def wait_for_quiet(below: float | None, max_wait_s: float) -> float:
 # ----------------------------------------------------------------------------- ours
 
 
+#: ``mp=NAME`` spellings for policies whose own spelling has commas (variants are comma-separated).
+_MP_SHORT = {"bf16": "p=f32,c=bfloat16", "bf16mm": "p=f32,c=f32,m=bf16"}
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     """``"name:key=value,key=value"`` -> (name, {dotted config key: value}); bare ``key=value``
     lists are named after themselves. ``batch`` and ``tokens`` stay as they are (they decide the
@@ -245,8 +250,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
         if not eq:
             raise ValueError(f"variant {text!r}: {part!r} is not key=value")
         k = k.strip()
-        if k == "mp" and v.strip() == "bf16":
-            v = "p=f32,c=bfloat16"
+        if k == "mp" and v.strip() in _MP_SHORT:
+            v = _MP_SHORT[v.strip()]
         items[k if k in ("batch", "tokens") else _ALIASES.get(k, k)] = v.strip()
     return name.strip(), items
 
