@@ -24,6 +24,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from lm_pipeline.launch import REEXEC_COMMANDS
 from lm_pipeline.schema import ConfigError
 from lm_pipeline.steps.stages import STAGES
 from lm_pipeline.store import StorageError
@@ -264,9 +265,10 @@ def _lineage(cfg, args: argparse.Namespace) -> int:
     return 0
 
 
-#: Commands that run long JAX computations: started from the shell, they re-execute themselves
-#: with tcmalloc preloaded when it is installed (``lm_pipeline.launch``; 1.3x faster CPU steps).
-_REEXEC_COMMANDS = ("train", "cache", "eval", "generate")
+#: Commands that re-execute themselves with tcmalloc preloaded (``lm_pipeline.launch``); the
+#: ``lm-pipeline`` script does it before importing this module (``launch.cli``), ``python -m``
+#: and other callers of :func:`main` here.
+_REEXEC_COMMANDS = REEXEC_COMMANDS
 
 
 def _build_stage(cmd: str, cfg, args: argparse.Namespace) -> int:

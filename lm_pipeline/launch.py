@@ -148,3 +148,19 @@ def maybe_reexec_with_tcmalloc(argv: Sequence[str] | None = None) -> None:
         os.execve(sys.executable, cmd, env)
     except OSError:
         return  # could not exec (odd interpreter setup): carry on with the default allocator
+
+
+#: Commands that run long JAX computations: started from the shell, they re-execute themselves
+#: with tcmalloc preloaded when it is installed (1.3x faster CPU steps).
+REEXEC_COMMANDS = ("train", "cache", "eval", "generate")
+
+
+def cli() -> int:
+    """The ``lm-pipeline`` command: re-executes with tcmalloc (for :data:`REEXEC_COMMANDS`) before
+    the command line's own imports (the stage table, fsspec, YAML: 0.2-0.5 s), so that they run
+    once, in the process that stays; then :func:`lm_pipeline.cli.main`."""
+    if len(sys.argv) > 1 and sys.argv[1] in REEXEC_COMMANDS:
+        maybe_reexec_with_tcmalloc()
+    from lm_pipeline.cli import main
+
+    return main()

@@ -33,6 +33,33 @@ def test_train_reexecutes_with_tcmalloc_then_reports_the_config_error():
     assert out.returncode == 2 and "/nonexistent/run.yaml" in out.stderr
 
 
+SCRIPT = (  # the installed `lm-pipeline` script's entry (pyproject's [project.scripts]), its re-exec recorded
+    "import sys\n"
+    "import lm_pipeline.launch as launch\n"
+    "seen = []\n"
+    "launch.maybe_reexec_with_tcmalloc = lambda: seen.append('lm_pipeline.cli' in sys.modules)\n"
+    "sys.argv = ['lm-pipeline', sys.argv[1], '--config_path', '/nonexistent/run.yaml']\n"
+    "rc = launch.cli()\n"
+    "print(seen[:1], rc, 'lm_pipeline.cli' in sys.modules)\n"
+)
+
+
+def test_the_script_reexecutes_before_importing_the_command_line():
+    """The console script re-executes first: the command line's modules (the stage table, fsspec,
+    YAML) are then imported once, in the process that stays."""
+    import tomllib
+
+    scripts = tomllib.loads(open("pyproject.toml", "rb").read().decode())["project"]["scripts"]
+    assert scripts["lm-pipeline"] == "lm_pipeline.launch:cli"
+    run = [sys.executable, "-c", SCRIPT]
+    out = subprocess.run([*run, "train"], capture_output=True, text=True, timeout=120)
+    # the first re-exec is asked before the import (main's own, after it, is a no-op once re-executed)
+    assert out.stdout.split() == ["[False]", "2", "True"], out.stdout + out.stderr
+    assert "/nonexistent/run.yaml" in out.stderr
+    quick = subprocess.run([*run, "plan"], capture_output=True, text=True, timeout=120)
+    assert quick.stdout.split() == ["[]", "2", "True"]  # a quick command does not re-execute
+
+
 def test_opt_out_and_quick_commands_do_not_reexecute():
     assert _run("train", LM_PIPELINE_NO_TCMALLOC="1").stdout.splitlines() == ["LD_PRELOAD="]
     assert _run("plan").stdout.splitlines() == ["LD_PRELOAD="]

@@ -2,6 +2,7 @@
 thread while the state is initialised, a small corpus tokenized without worker processes."""
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -173,3 +174,23 @@ def test_a_small_corpus_is_tokenized_in_process_and_a_large_one_by_workers(tmp_p
     explicit = build_cache(str(tmp_path / "explicit"), shards, tokdir, num_workers=2, progress=False)
     assert spawned == [2, 2]  # a number of workers asked for is never overridden
     assert explicit["committed"] == ref["committed"]
+
+
+@pytest.mark.parametrize("bad", [None, "nan_f32", "inf_bf16", "neg_inf_f16"])
+def test_the_checkpoint_guard_reads_cpu_parameters_in_place(bad):
+    """The finite check before a save (NumPy on CPU arrays, no compiled program) agrees with a
+    float64 reference on every floating dtype, and ignores integer leaves."""
+    from lm_pipeline.train.run import _params_finite, _params_finite_jit
+
+    params = {"w": np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, ml_dtypes.bfloat16),
+              "h": np.full(4, 0.5, np.float16), "count": np.arange(4, dtype=np.int32)}
+    if bad == "nan_f32":
+        params["w"][1, 2] = np.nan
+    elif bad == "inf_bf16":
+        params["b"][3] = np.inf
+    elif bad == "neg_inf_f16":
+        params["h"][0] = -np.inf
+    ref = all(np.isfinite(np.asarray(v, np.float64)).all() for k, v in params.items() if k != "count")
+    placed = jax.tree.map(jax.numpy.asarray, params)
+    assert _params_finite(placed) is ref
+    assert bool(_params_finite_jit(placed)) is ref  # the path for arrays on accelerators or other hosts

@@ -444,7 +444,18 @@ def _finish(run: _Run, result: TrainResult, state: TrainState, meter: _StepMeter
     return result
 
 
-_params_finite = jax.jit(all_finite)
+_params_finite_jit = jax.jit(all_finite)
+
+
+def _params_finite(params: Any) -> bool:
+    """Whether every floating parameter is finite: read in place with NumPy where the arrays are
+    whole on this host's CPU (no program to compile: 0.2 s of a small run's end), else one jitted
+    reduction on their devices."""
+    leaves = jax.tree.leaves(params)
+    if all(getattr(x, "is_fully_addressable", False) and {d.platform for d in x.devices()} == {"cpu"}
+           for x in leaves):
+        return all(bool(np.isfinite(np.asarray(x)).all()) for x in leaves if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
+    return bool(_params_finite_jit(params))
 
 
 class _FiniteStateCheckpointer(Checkpointer):
@@ -456,7 +467,7 @@ class _FiniteStateCheckpointer(Checkpointer):
     """
 
     def save(self, step, state, *args, **kwargs):
-        if not bool(_params_finite(state.model)):
+        if not _params_finite(state.model):
             raise FloatingPointError(
                 f"non-finite parameters after step {step} (a NaN/Inf loss or gradient); not saving a checkpoint. "
                 "Resume from the last checkpoint with a lower optimizer.learning_rate (or a higher "
