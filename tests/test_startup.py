@@ -180,7 +180,7 @@ def test_a_small_corpus_is_tokenized_in_process_and_a_large_one_by_workers(tmp_p
 def test_the_checkpoint_guard_reads_cpu_parameters_in_place(bad):
     """The finite check before a save (NumPy on CPU arrays, no compiled program) agrees with a
     float64 reference on every floating dtype, and ignores integer leaves."""
-    from lm_pipeline.train.run import _params_finite, _params_finite_jit
+    from lm_pipeline.train.guard import params_finite, params_finite_jit
 
     params = {"w": np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, ml_dtypes.bfloat16),
               "h": np.full(4, 0.5, np.float16), "count": np.arange(4, dtype=np.int32)}
@@ -192,5 +192,5 @@ def test_the_checkpoint_guard_reads_cpu_parameters_in_place(bad):
         params["h"][0] = -np.inf
     ref = all(np.isfinite(np.asarray(v, np.float64)).all() for k, v in params.items() if k != "count")
     placed = jax.tree.map(jax.numpy.asarray, params)
-    assert _params_finite(placed) is ref
-    assert bool(_params_finite_jit(placed)) is ref  # the path for arrays on accelerators or other hosts
+    assert params_finite(placed) is ref
+    assert bool(params_finite_jit(placed)) is ref  # the path for arrays on accelerators or other hosts

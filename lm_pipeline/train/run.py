@@ -38,7 +38,7 @@ from lm_pipeline.train.batch_schedule import (
     scheduled_mixture,
 )
 from lm_pipeline.train.checkpoint import Checkpointer, latest_checkpoint
-from lm_pipeline.train.optim import all_finite
+from lm_pipeline.train.guard import FiniteStateCheckpointer
 from lm_pipeline.train.precompile import AheadStep
 from lm_pipeline.train.profiling import StepProfiler
 from lm_pipeline.train.runlog import setup_logging
@@ -237,7 +237,7 @@ def _prepare(cfg: RunConfig, train_data: SequenceDataset | Mapping[str, Sequence
         cfg = resolve_auto_parallelism(cfg, jax.device_count(), vocab_size, segments=has_segments)
     fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=vocab_size, num_train_steps=num_steps,
                                plan=plan, has_segments=has_segments, has_loss_mask=has_loss_mask)
-    checkpointer = _FiniteStateCheckpointer(cfg.trainer.checkpointer, base_path_override=run_dir)
+    checkpointer = FiniteStateCheckpointer(cfg.trainer.checkpointer, base_path_override=run_dir)
     return _Run(cfg, plan, num_steps, run_id, run_dir, source, fns, checkpointer, vocab_size, first)
 
 
@@ -442,38 +442,6 @@ def _finish(run: _Run, result: TrainResult, state: TrainState, meter: _StepMeter
     if result.metrics:
         log.info("finished %s at step %d: %s", run.run_id, result.final_step, json.dumps(result.metrics))
     return result
-
-
-_params_finite_jit = jax.jit(all_finite)
-
-
-def _params_finite(params: Any) -> bool:
-    """Whether every floating parameter is finite: read in place with NumPy where the arrays are
-    whole on this host's CPU (no program to compile: 0.2 s of a small run's end), else one jitted
-    reduction on their devices."""
-    leaves = jax.tree.leaves(params)
-    if all(getattr(x, "is_fully_addressable", False) and {d.platform for d in x.devices()} == {"cpu"}
-           for x in leaves):
-        return all(bool(np.isfinite(np.asarray(x)).all()) for x in leaves if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
-    return bool(_params_finite_jit(params))
-
-
-class _FiniteStateCheckpointer(Checkpointer):
-    """Refuses to save a train state whose parameters are not finite.
-
-    Without ``optimizer.skip_bad_steps`` a NaN/Inf loss or gradient poisons the parameters; the
-    loss check at logging steps may not have run yet when a save comes due, so every save
-    checks the parameters themselves (one reduction over them) and stops the run instead.
-    """
-
-    def save(self, step, state, *args, **kwargs):
-        if not _params_finite(state.model):
-            raise FloatingPointError(
-                f"non-finite parameters after step {step} (a NaN/Inf loss or gradient); not saving a checkpoint. "
-                "Resume from the last checkpoint with a lower optimizer.learning_rate (or a higher "
-                "optimizer.warmup), check the data, or set optimizer.skip_bad_steps: true to skip such steps"
-            )
-        return super().save(step, state, *args, **kwargs)
 
 
 def _initialize_from(state: TrainState, path: str, checkpointer: Checkpointer, fns) -> TrainState:
