@@ -16,6 +16,7 @@ removing that package means removing the ``cpu_*`` choices below, nothing in the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -282,11 +283,35 @@ class ComputePlan:
 
 
 def _einsum_in(spec: str, a: jax.Array, b: jax.Array, operands: Any) -> jax.Array:
-    """``einsum(spec, a, b)``; with ``operands`` (a dtype) the operands are rounded to it and the
-    product, accumulated in float32, returns in ``a``'s dtype."""
+    """``einsum(spec, a, b)`` for ``spec`` ``...k,kn->...n`` or ``btd,vd->btv``; with ``operands``
+    (a dtype) through :func:`_rounded_matmul`."""
     if operands is None:
         return jnp.einsum(spec, a, b)
-    return jnp.einsum(spec, a.astype(operands), b.astype(operands), preferred_element_type=jnp.float32).astype(a.dtype)
+    return _rounded_matmul(a, b if spec == "...k,kn->...n" else b.T, operands)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rounded_matmul(x: jax.Array, w: jax.Array, operands: Any) -> jax.Array:
+    """``x [..., K] @ w [K, N]`` of operands rounded to ``operands``, accumulated in float32, in
+    ``x``'s dtype; its two gradient products round the cotangent too and return float32 sums in
+    the inputs' dtypes (as :func:`lm_pipeline.kernels.cpu.matmul.matmul` on CPU)."""
+    return jnp.einsum("...k,kn->...n", x.astype(operands), w.astype(operands),
+                      preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _rounded_matmul_fwd(x, w, operands):
+    return _rounded_matmul(x, w, operands), (x, w)
+
+
+def _rounded_matmul_bwd(operands, res, g):
+    x, w = res
+    gl, f32 = g.astype(operands), jnp.float32
+    dx = jnp.einsum("...n,kn->...k", gl, w.astype(operands), preferred_element_type=f32).astype(x.dtype)
+    dw = jnp.einsum("...k,...n->kn", x.astype(operands), gl, preferred_element_type=f32).astype(w.dtype)
+    return dx, dw
+
+
+_rounded_matmul.defvjp(_rounded_matmul_fwd, _rounded_matmul_bwd)
 
 
 REFERENCE = ComputePlan()

@@ -69,6 +69,20 @@ def test_the_plans_dense_and_logits_round_operands_on_the_xla_path_too():
     assert logits.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(logits, np.float64), bf(x) @ bf(head).T, rtol=2e-6, atol=1e-5)
     assert REFERENCE.matmul_operands is None
+    # gradients: the cotangent rounded too, float32 sums returned (as the CPU kernel's)
+    g = np.random.default_rng(4).standard_normal((*x.shape[:-1], w.shape[1])).astype(np.float32)
+    _, vjp = jax.vjp(plan.dense, jnp.asarray(x), jnp.asarray(w))
+    dx, dw = vjp(jnp.asarray(g))
+    assert dx.dtype == dw.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(dx, np.float64), bf(g) @ bf(w).T, rtol=2e-6, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw, np.float64),
+                               bf(x).reshape(-1, x.shape[-1]).T @ bf(g).reshape(-1, g.shape[-1]), rtol=2e-6, atol=1e-5)
+    gl = np.random.default_rng(5).standard_normal(logits.shape).astype(np.float32)
+    _, vjp = jax.vjp(plan.lm_logits, jnp.asarray(x), jnp.asarray(head))
+    dx, dhead = vjp(jnp.asarray(gl))
+    np.testing.assert_allclose(np.asarray(dx, np.float64), bf(gl) @ bf(head), rtol=2e-6, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dhead, np.float64), np.einsum("btv,btd->vd", bf(gl), bf(x)),
+                               rtol=2e-6, atol=1e-5)
 
 
 def test_fused_head_loss_rounds_its_operands_and_keeps_a_float32_softmax():

@@ -146,6 +146,9 @@ def test_input_bytes_counts_local_files_and_texts_and_gives_up_on_others(tmp_pat
     assert cache_build.input_bytes([TextShard("t", ("abc", "de"))]) == 5
     assert cache_build.input_bytes([*local, Shard("s3", "s3://bucket/c.txt", settings)]) is None
     assert cache_build.input_bytes([Shard("gone", str(tmp_path / "missing.txt"), settings)]) is None
+    gz = tmp_path / "c.jsonl.gz"
+    gz.write_bytes(b"z" * 100)  # compressed: its text may be many times its size
+    assert cache_build.input_bytes([Shard("gz", str(gz), ReaderSettings("jsonl", "gzip", "text", 0, "fail"))]) is None
 
 
 def test_a_small_corpus_is_tokenized_in_process_and_a_large_one_by_workers(tmp_path, monkeypatch):
@@ -177,7 +180,7 @@ def test_a_small_corpus_is_tokenized_in_process_and_a_large_one_by_workers(tmp_p
 
 
 @pytest.mark.parametrize("bad", [None, "nan_f32", "inf_bf16", "neg_inf_f16"])
-def test_the_checkpoint_guard_reads_cpu_parameters_in_place(bad):
+def test_the_checkpoint_guard_reads_cpu_parameters_in_place(bad, monkeypatch):
     """The finite check before a save (NumPy on CPU arrays, no compiled program) agrees with a
     float64 reference on every floating dtype, and ignores integer leaves."""
     from lm_pipeline.train.guard import params_finite, params_finite_jit
@@ -192,5 +195,45 @@ def test_the_checkpoint_guard_reads_cpu_parameters_in_place(bad):
         params["h"][0] = -np.inf
     ref = all(np.isfinite(np.asarray(v, np.float64)).all() for k, v in params.items() if k != "count")
     placed = jax.tree.map(jax.numpy.asarray, params)
-    assert params_finite(placed) is ref
     assert bool(params_finite_jit(placed)) is ref  # the path for arrays on accelerators or other hosts
+    from lm_pipeline.train import guard
+
+    def no_program(_):
+        raise AssertionError("CPU parameters are read in place, not by a compiled reduction")
+
+    monkeypatch.setattr(guard, "params_finite_jit", no_program)
+    assert params_finite(placed) is ref
+
+
+FAILS_BEFORE_THE_FIRST_STEP = """
+import sys, numpy as np
+from lm_pipeline.batch import ArrayDataset
+from lm_pipeline.config import load_config
+from lm_pipeline.schema import ConfigError
+from lm_pipeline.train.run import train
+root = sys.argv[1]
+cfg = load_config(None, {"model.type": "gpt2", "model.seq_len": 64, "model.hidden_dim": 128, "model.num_heads": 4,
+    "model.num_layers": 4, "trainer.train_batch_size": 8, "trainer.mp": "f32", "trainer.num_train_steps": 5,
+    "trainer.progress": False, "trainer.initialize_from": root + "/no_such_checkpoint",
+    "trainer.checkpointer.base_path": root + "/ckpt", "store.root": root + "/store"})
+data = ArrayDataset(np.random.default_rng(0).integers(0, 512, 64 * 64).astype(np.int32), 64)
+try:
+    train(cfg, train_data=data, vocab_size=512, run_dir=root + "/run")
+except ConfigError as e:
+    print("ConfigError:", e, flush=True)
+    sys.exit(2)
+"""
+
+
+def test_a_run_that_fails_while_the_step_compiles_exits_with_its_error(tmp_path):
+    """A config error raised while the train step is still compiling on its thread (here: a
+    missing trainer.initialize_from) ends the process with the error's exit status, not with XLA
+    aborting under a finalising interpreter (status 134)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FAILS_BEFORE_THE_FIRST_STEP, str(tmp_path)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "ConfigError:" in out.stdout and "no_such_checkpoint" in out.stdout
+    assert "terminate called" not in out.stderr

@@ -4,7 +4,9 @@ A run's start-up compiles two large programs one after the other: the state's in
 (or a checkpoint's restore) and the train step. Neither needs the other's result: the step's
 compilation needs only the state's shapes and shardings and the first batch's. :mod:`lm_pipeline.train.run`
 starts it on a thread as soon as the step functions exist (:class:`AheadStep`); XLA compiles without holding the GIL,
-so on a machine with a second core the two overlap (``docs/benchmarks.md``). The loop then calls
+so on a machine with a second core the two overlap (``docs/benchmarks.md``). CPU runs only:
+a GPU compilation autotunes kernels on the device, which a concurrent initialisation would
+disturb. The loop then calls
 the :class:`AheadStep`, which runs the compiled program for arguments of the shapes it was
 compiled for and hands any others to the jitted function (which compiles them as usual).
 
@@ -48,8 +50,11 @@ class AheadStep:
         self.compile_s: float | None = None
         abstract = tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
                          for a in batch)
+        # Not a daemon: a run that fails before its first step (a bad checkpoint path, Ctrl-C)
+        # then exits once the compilation ends, instead of XLA aborting under a finalising
+        # interpreter.
         self._thread = threading.Thread(target=self._compile, args=(state, abstract, mesh),
-                                        name="lm_pipeline-compile-ahead", daemon=True)
+                                        name="lm_pipeline-compile-ahead", daemon=False)
         self._thread.start()
 
     def _compile(self, state: Any, batch: tuple[Any, ...], mesh: Any) -> None:

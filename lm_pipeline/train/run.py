@@ -154,11 +154,16 @@ def train(
     enable_xla_cache(cfg.store.root)  # compiled programs from an earlier run of these shapes: no recompiling
     run = _prepare(cfg, train_data, vocab_size, data_fingerprint, run_id, run_dir)
     cfg, tc, num_steps = run.cfg, run.cfg.trainer, run.num_steps
-    # The train step compiles on a thread while the state is initialised or restored.
-    first = step_args(run.fns, put_batch(run.first_batch, run.plan))
-    run.fns = dataclasses.replace(run.fns, train_step=AheadStep(run.fns.train_step, run.fns.abstract_state, first,
-                                                                run.plan.mesh))
-    state, resume_path = _restore_or_init(run)
+    if run.fns.compute.platform == "cpu":  # the train step compiles on a thread while the state is set up
+        first = step_args(run.fns, put_batch(run.first_batch, run.plan))
+        ahead = AheadStep(run.fns.train_step, run.fns.abstract_state, first, run.plan.mesh)
+        run.fns = dataclasses.replace(run.fns, train_step=ahead)
+    try:
+        state, resume_path = _restore_or_init(run)
+    except BaseException:
+        if isinstance(run.fns.train_step, AheadStep):
+            run.fns.train_step.ready()  # the error is raised once the compilation has ended
+        raise
     start = int(state.step)
     tracker = build_tracker(tc.tracker, run_id=run.run_id, run_dir=run.run_dir, hparams=to_dict(cfg),
                             resume_step=start + 1 if resume_path else None, primary=jax.process_index() == 0)

@@ -55,19 +55,28 @@ SMALL_INPUT_BYTES = 8 << 20
 
 
 def input_bytes(shards: Sequence[Shard]) -> int | None:
-    """The shards' total size where every one's is known without reading it: bytes of local files,
-    characters of in-memory texts; None otherwise (object stores, Hugging Face datasets)."""
+    """The shards' total size where every one's is known without reading it: bytes of local
+    uncompressed text/JSON files, characters of in-memory texts; None otherwise (object stores,
+    Hugging Face datasets, compressed or Parquet files, whose text may be many times their size)."""
     total = 0
     for shard in shards:
         texts = getattr(shard, "texts", None)
         url = getattr(shard, "url", None)
         if isinstance(texts, tuple):
             total += sum(len(t) for t in texts)
-        elif isinstance(url, str) and getattr(shard, "hf", None) is None and os.path.isfile(_local_path(url)):
+        elif (isinstance(url, str) and getattr(shard, "hf", None) is None and _plain(shard)
+              and os.path.isfile(_local_path(url))):
             total += os.path.getsize(_local_path(url))
         else:
             return None
     return total
+
+
+def _plain(shard: Shard) -> bool:
+    """Whether a file shard's size on disk is about its text's: not compressed, not Parquet."""
+    settings = getattr(shard, "settings", None)
+    return settings is None or (getattr(settings, "compression", None) is None
+                                and getattr(settings, "format", None) != "parquet")
 
 
 def _local_path(url: str) -> str:
