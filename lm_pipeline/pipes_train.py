@@ -188,6 +188,38 @@ class ChildRun:
         self.report(message, metrics_line(message))
 
 
+def line_safe_writer():
+    """Dagster Pipes' default message writer, except that a message written to stdout/stderr is
+    one ``write`` of its own line, a newline before it too. Other threads of the process write to
+    the same stream (Ray forwards its workers' log lines to a job's driver, each as a ``write`` of
+    the text and another of the newline); a message appended to a partial line of theirs is read
+    as a log line, not a message, and was lost (a checkpoint never observed)."""
+    import contextlib
+    import json
+
+    from dagster_pipes import PipesDefaultMessageWriter, PipesMessageWriterChannel
+
+    class LineChannel(PipesMessageWriterChannel):
+        def __init__(self, stream):
+            self._stream = stream
+
+        def write_message(self, message) -> None:
+            self._stream.write("\n" + json.dumps(message) + "\n")
+            self._stream.flush()
+
+    class LineSafeWriter(PipesDefaultMessageWriter):
+        @contextlib.contextmanager
+        def open(self, params):
+            stream = params.get(self.STDIO_KEY)
+            if self.FILE_PATH_KEY not in params and stream in (self.STDOUT, self.STDERR):
+                yield LineChannel(sys.stdout if stream == self.STDOUT else sys.stderr)
+            else:
+                with super().open(params) as channel:
+                    yield channel
+
+    return LineSafeWriter()
+
+
 def run_child(train: Callable[[ChildRun], tuple[str, dict[str, Any]]], *,
               errors: tuple[type[BaseException], ...] = (), name: str = __name__) -> int:
     """The child side of a training launched through Dagster Pipes (the parent: ``assets.launch``).
@@ -206,7 +238,7 @@ def run_child(train: Callable[[ChildRun], tuple[str, dict[str, Any]]], *,
     from lm_pipeline.store import open_store
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    with open_dagster_pipes() as pipes:
+    with open_dagster_pipes(message_writer=line_safe_writer()) as pipes:
         extras = pipes.extras
         cfg = from_dict(RunConfig, yaml.safe_load(extras["config"]))
         pipe = Pipeline(cfg, open_store(extras["store_root"]), progress=False)
