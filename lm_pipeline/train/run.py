@@ -154,16 +154,7 @@ def train(
     enable_xla_cache(cfg.store.root)  # compiled programs from an earlier run of these shapes: no recompiling
     run = _prepare(cfg, train_data, vocab_size, data_fingerprint, run_id, run_dir)
     cfg, tc, num_steps = run.cfg, run.cfg.trainer, run.num_steps
-    if run.fns.compute.platform == "cpu":  # the train step compiles on a thread while the state is set up
-        first = step_args(run.fns, put_batch(run.first_batch, run.plan))
-        ahead = AheadStep(run.fns.train_step, run.fns.abstract_state, first, run.plan.mesh)
-        run.fns = dataclasses.replace(run.fns, train_step=ahead)
-    try:
-        state, resume_path = _restore_or_init(run)
-    except BaseException:
-        if isinstance(run.fns.train_step, AheadStep):
-            run.fns.train_step.ready()  # the error is raised once the compilation has ended
-        raise
+    state, resume_path = _compile_ahead_and_restore_or_init(run)
     start = int(state.step)
     tracker = build_tracker(tc.tracker, run_id=run.run_id, run_dir=run.run_dir, hparams=to_dict(cfg),
                             resume_step=start + 1 if resume_path else None, primary=jax.process_index() == 0)
@@ -244,6 +235,21 @@ def _prepare(cfg: RunConfig, train_data: SequenceDataset | Mapping[str, Sequence
                                plan=plan, has_segments=has_segments, has_loss_mask=has_loss_mask)
     checkpointer = FiniteStateCheckpointer(cfg.trainer.checkpointer, base_path_override=run_dir)
     return _Run(cfg, plan, num_steps, run_id, run_dir, source, fns, checkpointer, vocab_size, first)
+
+
+def _compile_ahead_and_restore_or_init(run: _Run) -> tuple[TrainState, str | None]:
+    """:func:`_restore_or_init`, the first train step compiling on a thread meanwhile (CPU runs:
+    :class:`~lm_pipeline.train.precompile.AheadStep` replaces ``run.fns.train_step``)."""
+    if run.fns.compute.platform == "cpu":
+        first = step_args(run.fns, put_batch(run.first_batch, run.plan))
+        ahead = AheadStep(run.fns.train_step, run.fns.abstract_state, first, run.plan.mesh)
+        run.fns = dataclasses.replace(run.fns, train_step=ahead)
+    try:
+        return _restore_or_init(run)
+    except BaseException:
+        if isinstance(run.fns.train_step, AheadStep):
+            run.fns.train_step.ready()  # the error is raised once the compilation has ended
+        raise
 
 
 def _scheduled_source(cfg: RunConfig, train_data: SequenceDataset | Mapping[str, SequenceDataset]
