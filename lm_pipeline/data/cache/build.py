@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from lm_pipeline import fs
 from lm_pipeline.data import encode
 from lm_pipeline.data.cache.errors import CacheMismatchError
 from lm_pipeline.data.cache.ledger import incompatibility, shard_plan
@@ -65,8 +66,8 @@ def input_bytes(shards: Sequence[Shard]) -> int | None:
         if isinstance(texts, tuple):
             total += sum(len(t) for t in texts)
         elif (isinstance(url, str) and getattr(shard, "hf", None) is None and _plain(shard)
-              and os.path.isfile(_local_path(url))):
-            total += os.path.getsize(_local_path(url))
+              and (local := fs.as_local(url)) is not None and os.path.isfile(local)):
+            total += os.path.getsize(local)
         else:
             return None
     return total
@@ -77,10 +78,6 @@ def _plain(shard: Shard) -> bool:
     settings = getattr(shard, "settings", None)
     return settings is None or (getattr(settings, "compression", None) is None
                                 and getattr(settings, "format", None) != "parquet")
-
-
-def _local_path(url: str) -> str:
-    return url[len("file://"):] if url.startswith("file://") else url
 
 
 # Encoded parts a worker may hold ready beyond the one being written, per worker: ~4 encode
