@@ -16,6 +16,7 @@ program on the first call and raises the same error where the step is called.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -60,10 +61,7 @@ class AheadStep:
     def _compile(self, state: Any, batch: tuple[Any, ...], mesh: Any) -> None:
         t0 = time.perf_counter()
         try:
-            if mesh is not None:
-                with mesh:
-                    self._compiled = self._fn.lower(state, *batch).compile()
-            else:
+            with mesh if mesh is not None else contextlib.nullcontext():
                 self._compiled = self._fn.lower(state, *batch).compile()
             self.compile_s = time.perf_counter() - t0
         except BaseException as e:  # the jitted call raises it where the step runs
@@ -75,8 +73,7 @@ class AheadStep:
         return not self._thread.is_alive()
 
     def __call__(self, state: Any, *batch: Any) -> Any:
-        if self._thread.is_alive():
-            self._thread.join()
+        self._thread.join()  # at once when the compilation has ended
         if self._compiled is not None and _signature(batch) == self._sig:
             return self._compiled(state, *batch)
         if self._error is not None:
