@@ -136,6 +136,10 @@ class ComputePlan:
         strict_attention: the attention was asked for by name (``$LM_PIPELINE_ATTENTION``):
             fail where it cannot apply instead of falling back.
         matmul: ``xla`` (einsum) or ``cpu`` (a weight gradient XLA:CPU computes fast).
+        native_transpose: with ``matmul: cpu``, the weight gradients' operand is transposed by
+            the native library's custom call (:func:`lm_pipeline.kernels.cpu.matmul.xt_g`): a
+            plain product XLA cannot refold, bf16 operands multiplied as bf16. Set on one CPU
+            device where the library builds (the SPMD partitioner cannot shard a custom call).
         loss: ``logits`` (the model's logits, then cross-entropy) or ``cpu_fused_head`` (head and
             cross-entropy in chunks, no ``[B, T, V]`` logits).
         remat: ``none``, or ``cpu_dots``: layers the model does not checkpoint keep only matmul
@@ -163,6 +167,7 @@ class ComputePlan:
     attention: AttentionKind = "xla"
     strict_attention: bool = False
     matmul: Literal["xla", "cpu"] = "xla"
+    native_transpose: bool = False
     loss: Literal["logits", "cpu_fused_head"] = "logits"
     remat: Literal["none", "cpu_dots"] = "none"
     unroll_max_layers: int = 0
@@ -185,7 +190,7 @@ class ComputePlan:
         if self.matmul == "cpu":
             from lm_pipeline.kernels.cpu import matmul
 
-            return matmul.dense(x, w, self.matmul_operands)
+            return matmul.dense(x, w, self.matmul_operands, self.native_transpose)
         return _einsum_in("...k,kn->...n", x, w, self.matmul_operands)
 
     def add_bias(self, y: jax.Array, b: jax.Array | None) -> jax.Array:
@@ -209,7 +214,7 @@ class ComputePlan:
         if self.matmul == "cpu":
             from lm_pipeline.kernels.cpu import matmul
 
-            logits = matmul.lm_logits(x, wp, self.matmul_operands)
+            logits = matmul.lm_logits(x, wp, self.matmul_operands, self.native_transpose)
         else:
             logits = _einsum_in("btd,vd->btv", x, wp, self.matmul_operands)
         return logits if pad == 0 else logits[..., : w.shape[0]]
@@ -279,7 +284,7 @@ class ComputePlan:
         from lm_pipeline.kernels.cpu import fused_head_loss
 
         return fused_head_loss.fused_head_xent_sum(hidden, head, targets, mask, chunk_rows=self.head_chunk_rows or None,
-                                                   operands=self.matmul_operands)
+                                                   operands=self.matmul_operands, native=self.native_transpose)
 
 
 def _einsum_in(spec: str, a: jax.Array, b: jax.Array, operands: Any) -> jax.Array:
@@ -386,6 +391,7 @@ def _plan_for(platform: str, compute_dtype: Any, num_devices: int, loss_scaling:
             attention=_cpu_attention(choice, num_devices),
             strict_attention=strict and choice == "native",
             matmul="cpu",
+            native_transpose=num_devices == 1 and _native_library(),
             loss="logits" if loss_scaling else "cpu_fused_head",
             remat="cpu_dots" if f32 else "none",
             unroll_max_layers=0 if f32 else CPU_UNROLL_MAX_LAYERS,
@@ -404,6 +410,13 @@ def _plan_for(platform: str, compute_dtype: Any, num_devices: int, loss_scaling:
         vocab_pad_multiple=VOCAB_PAD_MULTIPLE,
         f16_attention_in_f32=False,
     )
+
+
+def _native_library() -> bool:
+    """Whether the native CPU library (attention, transpose) builds and loads here."""
+    from lm_pipeline.kernels.cpu import native_attention
+
+    return native_attention.available()
 
 
 def _cpu_attention(choice: str, num_devices: int) -> AttentionKind:

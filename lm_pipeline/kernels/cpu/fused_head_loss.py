@@ -17,7 +17,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from lm_pipeline.kernels.cpu.matmul import round_to, xt_g
+from lm_pipeline.kernels.cpu.matmul import head_grad, round_to, xt_g
 
 HEAD_CHUNK_ROWS = 512
 """Token rows (batch x positions) per chunk: a chunk's ``[rows, vocab]`` logits, probabilities
@@ -35,24 +35,26 @@ def head_chunks(batch: int, seq_len: int, rows: int | None = None) -> tuple[tupl
 
 
 def fused_head_xent_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array, *,
-                        chunk_rows: int | None = None, operands=None) -> jax.Array:
+                        chunk_rows: int | None = None, operands=None, native: bool = False) -> jax.Array:
     """``sum(mask * cross_entropy(hidden @ headᵀ, targets))`` in f32 nats.
 
     ``targets`` int ``[B, T]`` and ``mask`` f32 ``[B, T]`` get no gradient; ``hidden`` and
     ``head`` get exact gradients up to float rounding. ``chunk_rows``: token rows per chunk
     (None: :data:`HEAD_CHUNK_ROWS`; Levanter's ``cross_entropy_block_size``). ``operands``: None,
     or the dtype the head's products round their operands to (``trainer.mp``'s ``m=``; float32
-    accumulation, float32 softmax).
+    accumulation, float32 softmax). ``native``: the weight gradient's transpose by the native
+    library (:func:`~lm_pipeline.kernels.cpu.matmul.xt_g`).
     """
-    return _fused_head_xent(hidden, head, targets, mask, head_chunks(*targets.shape, rows=chunk_rows), operands)
+    return _fused_head_xent(hidden, head, targets, mask, head_chunks(*targets.shape, rows=chunk_rows), operands,
+                            native)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused_head_xent(hidden, head, targets, mask, bounds, operands=None):
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused_head_xent(hidden, head, targets, mask, bounds, operands=None, native=False):
     return _head_xent_chunks(hidden, head, targets, mask, bounds, operands, grads=False)[0]
 
 
-def _head_xent_chunks(hidden, head, targets, mask, bounds, operands=None, *, grads: bool):
+def _head_xent_chunks(hidden, head, targets, mask, bounds, operands=None, native=False, *, grads: bool):
     f32 = jnp.float32
     total = jnp.zeros((), f32)
     d_hidden, d_head_t = [], None
@@ -75,21 +77,24 @@ def _head_xent_chunks(hidden, head, targets, mask, bounds, operands=None, *, gra
             onehot = jnp.arange(head.shape[0], dtype=tgt.dtype) == tgt[..., None]
             dl = ((e / z[..., None] - onehot.astype(f32)) * m[..., None]).astype(hl.dtype)
             d_hidden.append(jnp.einsum("btv,vd->btd", dl, head_in, preferred_element_type=f32).astype(h.dtype))
-            part = xt_g(hl.reshape(-1, h.shape[-1]), dl.reshape(-1, dl.shape[-1])).astype(f32)  # [D, V]
+            h2, dl2 = hl.reshape(-1, h.shape[-1]), dl.reshape(-1, dl.shape[-1])
+            # [V, D] straight from the native transpose, else [D, V] (transposed once, at the end)
+            part = (head_grad(h2, dl2) if native else xt_g(h2, dl2)).astype(f32)
             d_head_t = part if d_head_t is None else d_head_t + part
     if not grads:
         return total, None
     return total, (jnp.concatenate(d_hidden, axis=1), d_head_t)
 
 
-def _fused_head_xent_fwd(hidden, head, targets, mask, bounds, operands):
-    total, (d_hidden, d_head_t) = _head_xent_chunks(hidden, head, targets, mask, bounds, operands, grads=True)
+def _fused_head_xent_fwd(hidden, head, targets, mask, bounds, operands, native):
+    total, (d_hidden, d_head_t) = _head_xent_chunks(hidden, head, targets, mask, bounds, operands, native, grads=True)
     return total, (d_hidden, d_head_t, jnp.zeros((), head.dtype))
 
 
-def _fused_head_xent_bwd(bounds, operands, res, g):
+def _fused_head_xent_bwd(bounds, operands, native, res, g):
     d_hidden, d_head_t, head_dtype = res
-    return (g * d_hidden).astype(d_hidden.dtype), (g * d_head_t.T).astype(head_dtype.dtype), None, None
+    d_head = d_head_t if native else d_head_t.T
+    return (g * d_hidden).astype(d_hidden.dtype), (g * d_head).astype(head_dtype.dtype), None, None
 
 
 _fused_head_xent.defvjp(_fused_head_xent_fwd, _fused_head_xent_bwd)

@@ -4,7 +4,13 @@ Autodiff writes a projection's weight gradient as ``einsum("mk,mn->kn", x, g)``,
 both operands over their leading axis; XLA:CPU hands that form to Eigen, which is much slower
 on this project's shapes than the same product as a plain ``[K, M] @ [M, N]`` (taken by
 YNNPACK). :func:`matmul` has the same forward values and a hand-written backward that
-transposes the smaller operand into its own buffer first (``docs/benchmarks.md``).
+transposes an operand into its own buffer first (``docs/benchmarks.md``).
+
+XLA folds a transpose it can see back into the dot's dimension numbers (an optimisation barrier
+does not survive its passes), and with bf16 operands it then computes the product in float32
+(the rounded values, at float32's speed). With ``native`` (the plan's ``native_transpose``: one
+CPU device where the native library builds) the transpose is the library's opaque custom call
+(``native/cpu_transpose.cc``), so the product stays a plain one in the operands' own dtype.
 """
 
 from __future__ import annotations
@@ -40,48 +46,66 @@ def round_to(x: jax.Array, operands) -> jax.Array:
     return x if operands is None or x.dtype == operands else x.astype(operands)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def matmul(x: jax.Array, w: jax.Array, operands=None) -> jax.Array:
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def matmul(x: jax.Array, w: jax.Array, operands=None, native: bool = False) -> jax.Array:
     """``x [..., K] @ w [K, N] -> [..., N]``; the weight gradient goes through :func:`xt_g`.
 
     ``operands``: None, or the dtype both operands are rounded to in this product and in its two
     gradient products (which accumulate in float32); the result and the gradients keep the
-    inputs' dtypes."""
+    inputs' dtypes. ``native``: :func:`xt_g`'s."""
     return _einsum("...k,kn->...n", round_to(x, operands), round_to(w, operands), jnp.result_type(x, w))
 
 
-def _matmul_fwd(x, w, operands):
-    return matmul(x, w, operands), (x, w)
+def _matmul_fwd(x, w, operands, native):
+    return matmul(x, w, operands, native), (x, w)
 
 
-def _matmul_bwd(operands, res, g):
+def _matmul_bwd(operands, native, res, g):
     x, w = res
     gl = round_to(g, operands)
     dx = _einsum("...n,kn->...k", gl, round_to(w, operands), x.dtype)
-    dw = xt_g(round_to(x, operands).reshape(-1, x.shape[-1]), gl.reshape(-1, g.shape[-1]))
+    dw = xt_g(round_to(x, operands).reshape(-1, x.shape[-1]), gl.reshape(-1, g.shape[-1]), native)
     return dx, dw.astype(w.dtype)
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def xt_g(x: jax.Array, g: jax.Array) -> jax.Array:
+def xt_g(x: jax.Array, g: jax.Array, native: bool = False) -> jax.Array:
     """The weight gradient ``x [M, K]ᵀ @ g [M, N] -> [K, N]`` as a plain product.
 
-    The smaller of the two operands is transposed into its own buffer first (an optimisation
-    barrier keeps XLA from folding the transpose back into the dot); the smaller one because
-    XLA:CPU's transpose is a slow single-threaded loop.
+    ``native``: ``x`` is transposed by the native library's custom call (:func:`transpose`),
+    which XLA cannot fold into the dot. Otherwise the smaller of the two operands is transposed
+    by XLA into its own buffer first (an optimisation barrier, which keeps a float32 product
+    from being folded back into Eigen's form); the smaller one because XLA:CPU's transpose is a
+    slow single-threaded loop.
     """
     acc = _accumulation(x, g)
+    if native:
+        return jnp.matmul(transpose(x), g, preferred_element_type=acc)
     if x.shape[1] <= g.shape[1]:
         return jnp.matmul(jax.lax.optimization_barrier(x.T), g, preferred_element_type=acc)
     return jnp.matmul(jax.lax.optimization_barrier(g.T), x, preferred_element_type=acc).T
 
 
-def dense(x: jax.Array, w: jax.Array, operands=None) -> jax.Array:
+def transpose(x: jax.Array, isa: str | None = None) -> jax.Array:
+    """``x [M, K]`` -> ``xᵀ [K, M]`` (any 2- or 4-byte dtype, bits unchanged) by the native
+    library's custom call (:mod:`~lm_pipeline.kernels.cpu.native_attention` builds and registers
+    it, for ``isa`` or by default the CPU's best level; raises
+    :class:`~lm_pipeline.kernels.cpu.native_attention.NativeAttentionUnavailable` where it cannot
+    be built). No gradient: it is only used inside backward rules."""
+    from lm_pipeline.kernels.cpu import native_attention
+
+    if x.ndim != 2 or x.dtype.itemsize not in (2, 4):
+        raise ValueError(f"native transpose: a 2-D array of 2- or 4-byte elements, got {x.dtype}{list(x.shape)}")
+    name = native_attention.transpose_target(native_attention.load(isa))
+    return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(x.shape[::-1], x.dtype), vmap_method="sequential")(x)
+
+
+def dense(x: jax.Array, w: jax.Array, operands=None, native: bool = False) -> jax.Array:
     """A projection ``x [..., K] @ w [K, N]`` through :func:`matmul` (``operands``: its operand
-    dtype), its output named :data:`DENSE_OUT` for the remat policy."""
-    return checkpoint_name(matmul(x, w, operands), DENSE_OUT)
+    dtype; ``native``: :func:`xt_g`'s), its output named :data:`DENSE_OUT` for the remat policy."""
+    return checkpoint_name(matmul(x, w, operands, native), DENSE_OUT)
 
 
 @jax.custom_vjp
@@ -109,11 +133,41 @@ def _add_bias_bwd(b, g):
 add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 
 
-def lm_logits(x: jax.Array, w: jax.Array, operands=None) -> jax.Array:
+def lm_logits(x: jax.Array, w: jax.Array, operands=None, native: bool = False) -> jax.Array:
     """Logits ``x [B, T, D] @ w [V, D]ᵀ -> [B, T, V]``. The weight gradient is computed as
     ``(xᵀ g)ᵀ``: ``g``, the largest array of a small model's step, is read as it lies and only
-    the ``[D, V]`` result is transposed. ``operands``: as :func:`matmul`'s."""
-    return matmul(x, w.T, operands)
+    the ``[D, V]`` result is transposed. ``operands``: as :func:`matmul`'s. ``native``: the
+    weight gradient is ``T(g) @ x`` straight into ``[V, D]`` (:func:`head_grad`)."""
+    if native:
+        return _native_logits(x, w, operands)
+    return matmul(x, w.T, operands, native)
+
+
+def head_grad(x: jax.Array, g: jax.Array) -> jax.Array:
+    """An LM head's weight gradient ``g [M, V]ᵀ @ x [M, D] -> [V, D]`` with ``g`` transposed by
+    the native library. Nothing transposes the product's result afterwards: XLA would fold that
+    transpose into the dot, a form only Eigen takes, and Eigen has no bf16 x bf16 -> f32 product."""
+    return jnp.matmul(transpose(g), x, preferred_element_type=_accumulation(x, g))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _native_logits(x: jax.Array, w: jax.Array, operands=None) -> jax.Array:
+    return _einsum("btd,vd->btv", round_to(x, operands), round_to(w, operands), jnp.result_type(x, w))
+
+
+def _native_logits_fwd(x, w, operands):
+    return _native_logits(x, w, operands), (x, w)
+
+
+def _native_logits_bwd(operands, res, g):
+    x, w = res
+    gl = round_to(g, operands)
+    dx = _einsum("btv,vd->btd", gl, round_to(w, operands), x.dtype)
+    dw = head_grad(round_to(x, operands).reshape(-1, x.shape[-1]), gl.reshape(-1, g.shape[-1]))
+    return dx, dw.astype(w.dtype)
+
+
+_native_logits.defvjp(_native_logits_fwd, _native_logits_bwd)
 
 
 def matmuls_and_attention_saveable() -> Callable[..., bool]:

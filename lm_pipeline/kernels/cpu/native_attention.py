@@ -7,18 +7,22 @@ register-blocked ``6 x 16`` products, the softmax (forward) and ``P * (dP - delt
 fused between them, reading q/k/v in the model's ``[B, T, heads, H]`` layout. Measurements are
 in ``docs/benchmarks.md``.
 
-The source is compiled with the system C++ compiler (``$CXX``, else ``c++``, ``g++`` or
+The same library holds a 2-D transpose (``native/cpu_transpose.cc``, :func:`transpose_target`)
+that :func:`lm_pipeline.kernels.cpu.matmul.xt_g` puts in front of a weight gradient's product,
+where XLA:CPU cannot fold it into the dot (see there).
+
+The sources are compiled with the system C++ compiler (``$CXX``, else ``c++``, ``g++`` or
 ``clang++``) for an explicit instruction-set level, never ``-march=native``: on x86-64 the
 levels of the psABI, ``x86-64-v4`` (AVX-512 F/BW/CD/DQ/VL), ``x86-64-v3`` (AVX2, FMA, BMI),
 ``x86-64-v2`` (SSE4.2) and ``x86-64``; elsewhere the compiler's default target. The best level
 the CPU's flags allow is chosen at run time (:func:`runnable_isas`; ``$LM_PIPELINE_NATIVE_ISA``
 names another one the CPU can run). Each level's library is built once into
-``~/.cache/lm_pipeline/native`` (or ``$LM_PIPELINE_NATIVE_DIR``), keyed by a hash of the source,
+``~/.cache/lm_pipeline/native`` (or ``$LM_PIPELINE_NATIVE_DIR``), keyed by a hash of the sources,
 the compiler, the JAX version and the level (so machines of one level share a build), written
 atomically. A compiler that cannot target a level falls back to the next one down. Without a
 compiler, or when every build fails, a warning is logged once and the compute plan keeps the
 blocked attention (same values; slower). Each level registers its own FFI targets
-(``lm_pipeline_causal_attention_{fwd,bwd}_<level>``), so one process can run several (the
+(``lm_pipeline_causal_attention_{fwd,bwd}_<level>``, ``lm_pipeline_transpose_<level>``), so one process can run several (the
 tests compare every level the CPU can run with a float64 reference).
 
 Chosen by :class:`lm_pipeline.compute.ComputePlan` (attention ``cpu_native``) for plain causal
@@ -52,10 +56,11 @@ from lm_pipeline.kernels.cpu.blocked_attention import ATTENTION_RESIDUALS
 _log = logging.getLogger(__name__)
 
 F32 = jnp.float32
-SOURCE = Path(__file__).parent / "native" / "cpu_attention.cc"
+SOURCES = (Path(__file__).parent / "native" / "cpu_attention.cc", Path(__file__).parent / "native" / "cpu_transpose.cc")
 DIR_ENV = "LM_PIPELINE_NATIVE_DIR"
 ISA_ENV = "LM_PIPELINE_NATIVE_ISA"
 _FWD, _BWD = "lm_pipeline_causal_attention_fwd", "lm_pipeline_causal_attention_bwd"
+_TRANSPOSE = "lm_pipeline_transpose"
 GENERIC = "generic"  # not x86-64: the compiler's default target for this architecture
 
 # x86-64 psABI micro-architecture levels, best first, with the /proc/cpuinfo flags each needs on
@@ -127,7 +132,7 @@ def _compile_flags(isa: str) -> list[str]:
 
 
 def _build(cxx: str, isa: str) -> Path:
-    src = SOURCE.read_bytes()
+    src = b"\0".join(path.read_bytes() for path in SOURCES)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     flags = _compile_flags(isa)
     key = hashlib.sha256(
@@ -140,7 +145,7 @@ def _build(cxx: str, isa: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *flags, "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    cmd = [cxx, *flags, "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
@@ -168,6 +173,11 @@ def target_names(isa: str) -> tuple[str, str]:
     return f"{_FWD}_{tag}", f"{_BWD}_{tag}"
 
 
+def transpose_target(isa: str) -> str:
+    """The FFI target name of the library's 2-D transpose (``native/cpu_transpose.cc``) for ``isa``."""
+    return f"{_TRANSPOSE}_{isa.replace('-', '_')}"
+
+
 _registered: dict[str, tuple[Path, ctypes.CDLL]] = {}  # XLA keeps a target's first registration
 
 
@@ -178,6 +188,7 @@ def _register(isa: str) -> Path:
         fwd, bwd = target_names(isa)
         jax.ffi.register_ffi_target(fwd, jax.ffi.pycapsule(lib.LmpCausalAttentionFwd), platform="cpu")
         jax.ffi.register_ffi_target(bwd, jax.ffi.pycapsule(lib.LmpCausalAttentionBwd), platform="cpu")
+        jax.ffi.register_ffi_target(transpose_target(isa), jax.ffi.pycapsule(lib.LmpTranspose), platform="cpu")
         _registered[isa] = (path, lib)
     _state[isa] = {"ok": True, "path": _registered[isa][0]}
     return path
