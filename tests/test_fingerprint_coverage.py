@@ -24,6 +24,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import os
 import sys
 import tempfile
 import types
@@ -567,11 +568,18 @@ GOLDEN_DATA = {"data.builtin": None, "data.train_urls": ["train-0.jsonl", "train
 
 def golden_fingerprints() -> dict[str, dict[str, str]]:
     """Config versions of configs/default.yaml, and addresses of it over the fixed corpus in the
-    working directory."""
+    working directory, its ``trainer.mp: auto`` resolved as on a CPU without bf16 dot instructions
+    (``f32``; the policy ``auto`` picks depends on the machine: ``lm_pipeline.train.precision``)."""
+    from unittest import mock
+
+    from lm_pipeline import hostinfo
+
     store = ArtifactStore("store")  # relative: never the experiment's own store
-    versions = Pipeline(load_config(DEFAULT_EXPERIMENT), store, progress=False).config_versions()
-    pipe = Pipeline(load_config(DEFAULT_EXPERIMENT, GOLDEN_DATA), store, progress=False)
-    return {"config_version": versions, "address": {s: pipe.address(s).fingerprint for s in pipe.stages}}
+    with mock.patch.dict(os.environ, {"JAX_PLATFORMS": "cpu"}), \
+            mock.patch.object(hostinfo, "cpu_flags", lambda: "avx avx2 fma sse4_2"):
+        versions = Pipeline(load_config(DEFAULT_EXPERIMENT), store, progress=False).config_versions()
+        pipe = Pipeline(load_config(DEFAULT_EXPERIMENT, GOLDEN_DATA), store, progress=False)
+        return {"config_version": versions, "address": {s: pipe.address(s).fingerprint for s in pipe.stages}}
 
 
 def test_default_experiment_fingerprints_are_golden(workdir):

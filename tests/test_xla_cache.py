@@ -24,6 +24,7 @@ from lm_pipeline.schema import ConfigError
 from lm_pipeline.steps import Pipeline
 from lm_pipeline.store import ArtifactStore
 from lm_pipeline.train.config import MP_FOR_PLATFORM, TrainerConfig, parse_mp, resolve_mp
+from lm_pipeline.train.precision import auto_cpu_mp
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -188,8 +189,23 @@ def test_users_jax_dir_and_opt_out_are_respected(tmp_path):
 # -- trainer.mp: auto ------------------------------------------------------------------------
 
 
+AVX2, BF16_CPU, AMX = "avx avx2 fma sse4_2", "avx2 avx512f avx512bw avx512_bf16", "avx512f amx_bf16 amx_tile amx_int8"
+
+
 def test_mp_auto_resolves_per_platform(monkeypatch):
+    from lm_pipeline import hostinfo
+
+    monkeypatch.setattr(hostinfo, "cpu_flags", lambda: AVX2)
     assert resolve_mp("auto", "cpu") == "f32"
+    # a CPU with bf16 dot instructions (AVX512-BF16, AMX) multiplies bf16 operands; nothing else changes
+    for flags in (BF16_CPU, AMX):
+        monkeypatch.setattr(hostinfo, "cpu_flags", lambda f=flags: f)
+        assert resolve_mp("auto", "cpu") == "p=f32,c=f32,m=bf16"
+        assert parse_mp(resolve_mp("auto", "cpu")).compute.__name__ == "float32"
+    assert auto_cpu_mp("avx512f avx512_vnni") == "f32" and auto_cpu_mp("") == "f32"  # AVX-512 without bf16 dots
+    assert auto_cpu_mp() == ("p=f32,c=f32,m=bf16" if {"avx512_bf16", "amx_bf16"} & set(hostinfo.cpu_flags().split())
+                             else "f32")
+    monkeypatch.setattr(hostinfo, "cpu_flags", lambda: AVX2)
     assert resolve_mp("auto", "gpu") == resolve_mp("auto", "cuda") == "p=f32,c=bfloat16"
     assert resolve_mp("auto", "tpu") == "p=f32,c=bfloat16"
     assert resolve_mp("p=f32,c=f16", "gpu") == "p=f32,c=f16"  # an explicit policy is never changed
@@ -217,10 +233,17 @@ def test_mp_auto_fingerprints_the_resolved_policy(monkeypatch, tmp_path):
         cfg = load_config(str(REPO / "configs" / "experiments" / "default.yaml"), {"trainer.mp": mp})
         return Pipeline(cfg, store).config_version("train_ckpt"), dump_config(cfg)
 
+    from lm_pipeline import hostinfo
+
+    monkeypatch.setattr(hostinfo, "cpu_flags", lambda: AVX2)
     cpu_auto, dumped = config_version("cpu", "auto")
     gpu_auto, gpu_dumped = config_version("cuda", "auto")
     assert cpu_auto != gpu_auto  # a CPU run and a GPU run of one `auto` config never share an address
-    assert cpu_auto == config_version("cpu", "f32")[0]  # auto on CPU is f32: the same artifact
+    assert cpu_auto == config_version("cpu", "f32")[0]  # auto on an AVX2 CPU is f32: the same artifact
+    monkeypatch.setattr(hostinfo, "cpu_flags", lambda: BF16_CPU)
+    bf16_auto, bf16_dumped = config_version("cpu", "auto")
+    assert bf16_auto == config_version("cpu", "p=f32,c=f32,m=bf16")[0] and bf16_auto not in (cpu_auto, gpu_auto)
+    assert "mp: p=f32,c=f32,m=bf16" in bf16_dumped
     assert gpu_auto == config_version("cpu", "p=f32,c=bfloat16")[0]
     # The saved config (checkpoints, the Pipes child's YAML) holds the resolved policy, not "auto".
     assert "mp: f32" in dumped and "mp: p=f32,c=bfloat16" in gpu_dumped and "auto" not in dumped.split("mp:")[1][:8]

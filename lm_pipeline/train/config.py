@@ -105,9 +105,10 @@ class TrainerConfig:
         AUTO_MP,
         help="Mixed precision, e.g. 'p=f32,c=bfloat16' (params f32, compute bf16) or 'f32'; 'm=bf16' rounds only the "
         "projections' and the LM head's operands to bf16 (float32 accumulation, like torch.autocast on CPU): "
-        "'p=f32,c=f32,m=bf16' is the fastest policy on CPUs with AVX512-BF16 or AMX. 'auto' = the platform's "
-        "default: f32 on CPU, p=f32,c=bfloat16 on GPU and TPU. 'auto' is resolved when "
-        "the config is loaded, and the resolved policy is what the fingerprint hashes.",
+        "'p=f32,c=f32,m=bf16' is the fastest policy on CPUs with AVX512-BF16 or AMX. 'auto' = the machine's "
+        "default: on CPU p=f32,c=f32,m=bf16 where the CPU has bf16 dot instructions (avx512_bf16, amx_bf16), else "
+        "f32; p=f32,c=bfloat16 on GPU and TPU. 'auto' is resolved when the config is loaded, and the resolved "
+        "policy is what the fingerprint hashes (name the policy to share runs between kinds of machine).",
     )
     steps_per_eval: int = field(1000, help="Evaluate on the validation sets every this many steps (and at the end).", semantic=False, aliases=("eval_steps",))
     max_eval_batches: int | None = field(None, help="Cap on eval batches per validation set; None = all.", semantic=False)
@@ -139,7 +140,7 @@ class TrainerConfig:
         # ``mp: auto`` becomes the concrete policy here, once, so that everything reading the config
         # (fingerprints and run ids, the compute plan, the estimator, the saved config.yaml, the
         # Pipes child's config) sees the same policy: a CPU run and a GPU run of one ``auto`` config
-        # get different addresses. ``_mp_auto`` remembers the spelling for :meth:`precision_for`.
+        # (or runs on CPUs with and without bf16 dot instructions) get different addresses. ``_mp_auto`` remembers the spelling for :meth:`precision_for`.
         if isinstance(self.mp, str) and self.mp.strip().lower() == AUTO_MP:
             try:
                 object.__setattr__(self, "mp", resolve_mp(AUTO_MP))

@@ -39,22 +39,35 @@ class Precision:
         return self.compute == jnp.float16
 
 
-#: ``trainer.mp: auto`` per platform (``docs/benchmarks.md``). CPUs compute in f32: on an AVX2 CPU
-#: XLA:CPU's bf16 matmuls convert to f32, and on AVX-512 CPUs with bf16 instructions the bf16 step
-#: was faster only where large matmuls dominate (a vocabulary of 8192) and slower at small widths
-#: and vocabularies (the elementwise work around the dots converts to f32 and back); GPUs and TPUs
-#: compute in bf16 with f32 parameters (their matrix units run bf16 at several times the f32 rate).
-#: ``p=f32,c=f32,m=bf16`` (bf16 matmul operands only) was faster than f32 at every measured shape
-#: on AVX512-BF16 CPUs, but ``auto`` does not pick it from the CPU's flags: the resolved policy
-#: enters the run's address, so one config would name different runs on a team's different CPUs.
+#: ``trainer.mp: auto`` per platform (``docs/benchmarks.md``). GPUs and TPUs compute in bf16 with
+#: f32 parameters (their matrix units run bf16 at several times the f32 rate). CPUs: see
+#: :func:`auto_cpu_mp`.
 AUTO_MP = "auto"
 MP_FOR_PLATFORM = {"cpu": "f32", "gpu": "p=f32,c=bfloat16", "tpu": "p=f32,c=bfloat16"}
+#: ``/proc/cpuinfo`` flags of bf16 dot-product instructions (AVX512-BF16; AMX's bf16 tiles).
+BF16_DOT_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+#: ``auto`` on a CPU with one of :data:`BF16_DOT_FLAGS`: bf16 operands for the projections and the
+#: LM head only (float32 accumulation and everything else float32, as ``torch.autocast`` on CPU).
+CPU_BF16_MP = "p=f32,c=f32,m=bf16"
+
+
+def auto_cpu_mp(flags: str | None = None) -> str:
+    """``auto`` on a CPU with ``flags`` (default this machine's :func:`~lm_pipeline.hostinfo.cpu_flags`):
+    :data:`CPU_BF16_MP` where the CPU has bf16 dot instructions (XLA:CPU then multiplies bf16
+    operands at about twice its f32 rate, and that step measured faster than the f32 one at every
+    benchmarked shape), else ``f32`` (without them XLA:CPU converts bf16 operands to f32, and the
+    rounding would only cost time)."""
+    from lm_pipeline.hostinfo import cpu_flags
+
+    have = set((cpu_flags() if flags is None else flags).split())
+    return CPU_BF16_MP if have & BF16_DOT_FLAGS else MP_FOR_PLATFORM["cpu"]
 
 
 def resolve_mp(spec: str, platform: str | None = None) -> str:
     """``spec`` itself, or for ``'auto'`` the policy of ``platform`` (default: the platform this
-    host trains on, :func:`lm_pipeline.hostinfo.detect_platform`): ``'f32'`` on CPU,
-    ``'p=f32,c=bfloat16'`` on GPU and TPU. Imports no JAX."""
+    host trains on, :func:`lm_pipeline.hostinfo.detect_platform`): on CPU :func:`auto_cpu_mp`
+    (``'p=f32,c=f32,m=bf16'`` with bf16 dot instructions, else ``'f32'``), ``'p=f32,c=bfloat16'``
+    on GPU and TPU. Imports no JAX."""
     if spec.strip().lower() != AUTO_MP:
         return spec
     from lm_pipeline.hostinfo import detect_platform, platform_from_env
@@ -62,7 +75,7 @@ def resolve_mp(spec: str, platform: str | None = None) -> str:
     name = detect_platform() if platform is None else platform_from_env(platform)  # 'cuda' -> 'gpu'
     if name not in MP_FOR_PLATFORM:
         raise ConfigError("", f"no automatic mixed precision for platform {platform!r}; set trainer.mp explicitly")
-    return MP_FOR_PLATFORM[name]
+    return auto_cpu_mp() if name == "cpu" else MP_FOR_PLATFORM[name]
 
 
 def parse_mp(spec: str) -> Precision:

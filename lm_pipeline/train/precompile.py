@@ -64,6 +64,7 @@ class AheadStep:
             with mesh if mesh is not None else contextlib.nullcontext():
                 self._compiled = self._fn.lower(state, *batch).compile()
             self.compile_s = time.perf_counter() - t0
+            log.info("train step compiled in %.2f s (on a thread, while the state was initialised)", self.compile_s)
         except BaseException as e:  # the jitted call raises it where the step runs
             self._error = e
 

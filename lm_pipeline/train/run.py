@@ -419,7 +419,8 @@ class _StepMeter:
             )
         dt = time.perf_counter() - self.window_t0
         tps = self.window_tokens / max(dt, 1e-9)
-        host["optim/learning_rate"] = float(self.lr_at(step))
+        if "optim/learning_rate" not in host:  # a step that does not report it (the schedule, on the host)
+            host["optim/learning_rate"] = float(self.lr_at(step))
         host["throughput/tokens_per_second"] = tps
         host["throughput/step_seconds"] = dt / self.window_steps
         if not self.run.schedule.is_constant:  # what a batch-size schedule changes: the batch and tokens so far

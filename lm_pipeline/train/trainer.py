@@ -27,7 +27,7 @@ from lm_pipeline.compute import REFERENCE, ComputePlan, hints_from, plan_for_mes
 from lm_pipeline.models.base import LmModel
 from lm_pipeline.train.config import Precision, TrainerConfig
 from lm_pipeline.train.loss import model_loss_sums, training_loss_sums
-from lm_pipeline.train.optim import averaged_params, loss_scale, skipped_steps, weight_decay_mask
+from lm_pipeline.train.optim import averaged_params, current_lr, loss_scale, skipped_steps, weight_decay_mask
 from lm_pipeline.train.optim_config import OptimizerConfig
 from lm_pipeline.train.sharding import MeshPlan
 
@@ -317,6 +317,9 @@ def _train_step(ctx: _StepContext, state: TrainState, tokens, seg, lmask=None):
         "optim/grad_norm": optax.global_norm(grads),
         "optim/update_norm": optax.global_norm(updates),
         "optim/skipped_steps": skipped_steps(opt_state),
+        # the rate this update applied, computed with the step: the host evaluating the schedule
+        # itself would compile each of its operations on the first logged step (~0.5 s on CPU)
+        "optim/learning_rate": current_lr(opt_state),
     }
     if ctx.scaling:
         metrics["optim/loss_scale"] = loss_scale(opt_state)
