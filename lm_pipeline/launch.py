@@ -27,6 +27,16 @@ it started with. To get it there, start that process with
 ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4`` in its environment (e.g. the
 Dagster run launcher's or the container's environment). Child processes started with a copy of
 the environment inherit the variable.
+
+Exit
+----
+A command that started JAX spends most of a second after its last output in interpreter
+finalisation (the XLA client and its thread pools, module teardown). :func:`exit_now` ends such
+a command the way the interpreter would, without that part: once no thread but the main one is
+left that the interpreter would wait for, it runs the ``atexit`` handlers (logging's flush among
+them), flushes standard output and error, and leaves with the exit code. Everything a command
+writes is committed before it returns, so nothing is lost that a normal exit would have written.
+``LM_PIPELINE_NORMAL_EXIT=1`` keeps the normal exit.
 """
 
 from __future__ import annotations
@@ -163,4 +173,31 @@ def cli() -> int:
         maybe_reexec_with_tcmalloc()
     from lm_pipeline.cli import main
 
-    return main()
+    rc = main()
+    if len(sys.argv) > 1 and sys.argv[1] in REEXEC_COMMANDS:
+        exit_now(rc)
+    return rc
+
+
+NORMAL_EXIT_ENV = "LM_PIPELINE_NORMAL_EXIT"
+
+
+def exit_now(code: int) -> int:
+    """Leave the process with ``code`` without interpreter finalisation (see the module's "Exit"),
+    unless a non-daemon thread is still running (then the interpreter's own exit waits for it, and
+    so does this: it returns ``code``) or ``$LM_PIPELINE_NORMAL_EXIT`` is set."""
+    import atexit
+    import threading
+
+    if os.environ.get(NORMAL_EXIT_ENV, "").strip() not in ("", "0"):
+        return code
+    main = threading.main_thread()
+    if any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        return code
+    atexit._run_exitfuncs()  # what a normal exit runs first (logging.shutdown is one of them)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be written anyway
+            pass
+    os._exit(code)

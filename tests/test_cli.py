@@ -133,3 +133,32 @@ def test_estimate_offline_with_an_unknown_tokenizer_name_says_so_in_one_line(tmp
     assert main(["estimate", "--config_path", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no-such-org/no-such-tokenizer" in err and "--vocab_size" in err, err
+
+
+_EXIT_CHILD = r"""
+import atexit, sys, threading, time
+from pathlib import Path
+from lm_pipeline.launch import exit_now
+
+out = Path(sys.argv[1])
+atexit.register(lambda: out.write_text("atexit ran"))
+sys.stdout.write("unflushed output without a newline")  # buffered: a bare os._exit would lose it
+if sys.argv[2] == "thread":  # a non-daemon thread still writing: the process must wait for it
+    threading.Thread(target=lambda: (time.sleep(0.5), out.with_suffix(".thread").write_text("done"))).start()
+exit_now(3)
+print(" / exit_now returned")
+sys.exit(4)
+"""
+
+
+@pytest.mark.parametrize("mode", ["quiet", "thread"])
+def test_exit_now_runs_atexit_and_flushes_but_waits_for_running_threads(tmp_path, mode):
+    out = tmp_path / "marker"
+    proc = subprocess.run([sys.executable, "-c", _EXIT_CHILD, str(out), mode], capture_output=True, text=True,
+                          timeout=120)
+    assert out.read_text() == "atexit ran"
+    if mode == "quiet":  # left at once, with the code, after the handlers and the flush
+        assert (proc.returncode, proc.stdout) == (3, "unflushed output without a newline")
+    else:  # a thread was still running: the normal exit, which waits for it
+        assert proc.returncode == 4 and proc.stdout.endswith("exit_now returned\n")
+        assert out.with_suffix(".thread").read_text() == "done"
