@@ -1,5 +1,6 @@
 """The command line's process start-up: tcmalloc re-execution for the long-running commands."""
 
+import os
 import subprocess
 import sys
 
@@ -52,7 +53,8 @@ def test_the_script_reexecutes_before_importing_the_command_line():
     scripts = tomllib.loads(open("pyproject.toml", "rb").read().decode())["project"]["scripts"]
     assert scripts["lm-pipeline"] == "lm_pipeline.launch:cli"
     run = [sys.executable, "-c", SCRIPT]
-    out = subprocess.run([*run, "train"], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "LM_PIPELINE_NORMAL_EXIT": "1"}  # launch.cli returns its code to the script
+    out = subprocess.run([*run, "train"], capture_output=True, text=True, timeout=120, env=env)
     # the first re-exec is asked before the import (main's own, after it, is a no-op once re-executed)
     assert out.stdout.split() == ["[False]", "2", "True"], out.stdout + out.stderr
     assert "/nonexistent/run.yaml" in out.stderr
