@@ -35,7 +35,8 @@ finalisation (the XLA client and its thread pools, module teardown). :func:`exit
 a command the way the interpreter would, without that part: once no thread but the main one is
 left that the interpreter would wait for, it runs the ``atexit`` handlers (logging's flush among
 them), flushes standard output and error, and leaves with the exit code. Everything a command
-writes is committed before it returns, so nothing is lost that a normal exit would have written.
+writes is committed and closed before it returns (a writer that relied on a finaliser at
+interpreter exit would be cut short here), so nothing is lost that a normal exit would have written.
 ``LM_PIPELINE_NORMAL_EXIT=1`` keeps the normal exit.
 """
 
@@ -149,7 +150,7 @@ def maybe_reexec_with_tcmalloc(argv: Sequence[str] | None = None) -> None:
     env["LD_PRELOAD"] = lib
     env[MARKER_ENV] = "1"
     cmd = _command(argv)
-    for stream in (sys.stdout, sys.stderr):
+    for stream in {id(s): s for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__) if s is not None}.values():
         try:
             stream.flush()
         except Exception:  # noqa: BLE001 - a closed/odd stream must not block the exec
@@ -195,7 +196,7 @@ def exit_now(code: int) -> int:
     if any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate()):
         return code
     atexit._run_exitfuncs()  # what a normal exit runs first (logging.shutdown is one of them)
-    for stream in (sys.stdout, sys.stderr):
+    for stream in {id(s): s for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__) if s is not None}.values():
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed or broken pipe: nothing more can be written anyway

@@ -26,7 +26,7 @@ ISAS = native_attention.runnable_isas() if native_attention.available() else []
 def test_transpose_is_numpys_bit_for_bit(isa, dtype):
     rng = np.random.default_rng(0)
     # whole 16 x 16 tiles, ragged edges on both axes, a single row, more tasks than tiles
-    for shape in ((768, 512), (37, 53), (16, 16), (1, 7), (250, 3)):
+    for shape in ((768, 512), (37, 53), (16, 16), (1, 7), (250, 3), (0, 5)):
         x = (rng.standard_normal(shape) * 100).astype(dtype)
         got = np.asarray(jax.jit(lambda a: matmul.transpose(a, isa))(jnp.asarray(x)))
         assert got.dtype == x.dtype and got.shape == shape[::-1]
@@ -138,3 +138,45 @@ def test_every_model_and_precision_steps_as_without_it(model, mp, monkeypatch):
     low = mp.endswith(("bfloat16", "f16"))
     for got, ref in zip(params, ref_params, strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-2 if low else 1e-5, atol=1e-2 if low else 2e-5)
+
+
+def _bf64(a) -> np.ndarray:
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+@pytest.mark.parametrize("operands", [None, jnp.bfloat16])
+def test_native_head_gradients_match_float64(operands):
+    """The LM head's weight gradient straight into [V, D] (:func:`matmul.head_grad`), through the
+    logits path and the fused head + cross-entropy, against float64 NumPy: values, not only signs."""
+    from lm_pipeline.kernels.cpu import fused_head_loss
+
+    rng = np.random.default_rng(7)
+    b, t, d, v = 3, 20, 24, 40
+    x = rng.standard_normal((b, t, d)).astype(np.float32)
+    w = rng.standard_normal((v, d)).astype(np.float32)
+    g = rng.standard_normal((b, t, v)).astype(np.float32)
+    rnd = _bf64 if operands else (lambda a: np.asarray(a, np.float64))
+    logits, vjp = jax.vjp(lambda a, c: matmul.lm_logits(a, c, operands, True), jnp.asarray(x), jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(logits, np.float64), rnd(x) @ rnd(w).T, rtol=1e-5, atol=1e-5)
+    dx, dw = vjp(jnp.asarray(g))
+    np.testing.assert_allclose(np.asarray(dx, np.float64), rnd(g) @ rnd(w), rtol=1e-5, atol=1e-5)
+    ref_dw = np.einsum("btv,btd->vd", rnd(g), rnd(x))
+    np.testing.assert_allclose(np.asarray(dw, np.float64), ref_dw, rtol=1e-5, atol=1e-5 * np.abs(ref_dw).max())
+
+    tgt = rng.integers(0, v, (b, t)).astype(np.int32)
+    mask = (rng.random((b, t)) > 0.25).astype(np.float32)
+
+    def loss(h, head):  # 3 chunks of positions: the gradient is summed over them
+        return fused_head_loss.fused_head_xent_sum(h, head, jnp.asarray(tgt), jnp.asarray(mask), chunk_rows=20,
+                                                   operands=operands, native=True)
+
+    got, (dh, dhead) = jax.value_and_grad(loss, argnums=(0, 1))(jnp.asarray(x), jnp.asarray(w))
+    lg = rnd(x) @ rnd(w).T
+    p = np.exp(lg - lg.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(float(got), float((-np.log(np.take_along_axis(p, tgt[..., None], -1)[..., 0]) * mask).sum()),
+                               rtol=1e-5)
+    dl = rnd((p - np.eye(v)[tgt]) * mask[..., None])
+    np.testing.assert_allclose(np.asarray(dh, np.float64), dl @ rnd(w), rtol=1e-4, atol=1e-5)
+    ref_dhead = np.einsum("btv,btd->vd", dl, rnd(x))
+    np.testing.assert_allclose(np.asarray(dhead, np.float64), ref_dhead, rtol=1e-4, atol=1e-5 * np.abs(ref_dhead).max())

@@ -366,7 +366,7 @@ def amp_to_mp(use_amp: Any, amp_dtype: Any) -> str:
     """LLM-Trainer's ``use_amp`` / ``amp_dtype`` as a ``trainer.mp`` policy: ``use_amp: false`` ->
     ``f32``; ``use_amp: true`` with ``amp_dtype`` -> parameters f32, compute in that dtype (float16
     gets dynamic loss scaling, as PyTorch's GradScaler does); without ``amp_dtype`` -> ``auto``
-    (bf16 compute on GPU/TPU, f32 on CPU, where PyTorch's CUDA autocast does nothing either)."""
+    (bf16 compute on GPU/TPU; on CPU bf16 matmul operands where it has bf16 dot instructions, else f32)."""
     if not isinstance(use_amp, bool):
         raise ConfigError("use_amp", f"expected true or false, got {use_amp!r}")
     if not use_amp:

@@ -317,7 +317,8 @@ def _train_step(ctx: _StepContext, state: TrainState, tokens, seg, lmask=None):
         "optim/grad_norm": optax.global_norm(grads),
         "optim/update_norm": optax.global_norm(updates),
         "optim/skipped_steps": skipped_steps(opt_state),
-        # the rate this update applied, computed with the step: the host evaluating the schedule
+        # the scheduled rate of this step (what the update applied, unless it was skipped), computed
+        # with the step: the host evaluating the schedule
         # itself would compile each of its operations on the first logged step (~0.5 s on CPU)
         "optim/learning_rate": current_lr(opt_state),
     }

@@ -80,7 +80,7 @@ def _head_xent_chunks(hidden, head, targets, mask, bounds, operands=None, native
             h2, dl2 = hl.reshape(-1, h.shape[-1]), dl.reshape(-1, dl.shape[-1])
             # [V, D] straight from the native transpose, else [D, V] (transposed once, at the end)
             part = (head_grad(h2, dl2) if native else xt_g(h2, dl2)).astype(f32)
-            d_head_t = part if d_head_t is None else d_head_t + part
+            d_head_t = part if d_head_t is None else d_head_t + part  # [V, D] when native, else [D, V]
     if not grads:
         return total, None
     return total, (jnp.concatenate(d_hidden, axis=1), d_head_t)

@@ -6,9 +6,9 @@ on this project's shapes than the same product as a plain ``[K, M] @ [M, N]`` (t
 YNNPACK). :func:`matmul` has the same forward values and a hand-written backward that
 transposes an operand into its own buffer first (``docs/benchmarks.md``).
 
-XLA folds a transpose it can see back into the dot's dimension numbers (an optimisation barrier
-does not survive its passes), and with bf16 operands it then computes the product in float32
-(the rounded values, at float32's speed). With ``native`` (the plan's ``native_transpose``: one
+XLA folds a transpose it can see back into the dot's dimension numbers. For float32 operands an
+optimisation barrier keeps the transposed copy; with bf16 operands XLA computes the product in
+float32 anyway (the rounded values, at float32's speed). With ``native`` (the plan's ``native_transpose``: one
 CPU device where the native library builds) the transpose is the library's opaque custom call
 (``native/cpu_transpose.cc``), so the product stays a plain one in the operands' own dtype.
 """

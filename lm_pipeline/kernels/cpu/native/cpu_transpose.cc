@@ -78,7 +78,9 @@ ffi::Error Transpose(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::An
   auto yd = y->dimensions();
   if (yd.size() != 2 || yd[0] != K || yd[1] != M || y->element_type() != x.element_type())
     return ffi::Error::InvalidArgument("transpose: the result must be [K, M] of the operand's type");
-  const size_t bytes = x.size_bytes() / std::max<int64_t>(M * K, 1);
+  const size_t bytes = ffi::ByteWidth(x.element_type());
+  if (bytes != 2 && bytes != 4) return ffi::Error::InvalidArgument("transpose: elements must be 2 or 4 bytes");
+  if (M * K == 0) return ffi::Error::Success();
   const int64_t blocks = (M + kTile - 1) / kTile;
   // Few large tasks: each pool hand-off costs more than a small tile's copy.
   const int64_t tasks = std::min<int64_t>(blocks, std::max<int64_t>(pool.num_threads(), 1) * 4);
@@ -94,8 +96,6 @@ ffi::Error Transpose(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::An
                        K, m0, m1);
     }
   };
-  if (bytes != 2 && bytes != 4) return ffi::Error::InvalidArgument("transpose: elements must be 2 or 4 bytes");
-  if (M * K == 0) return ffi::Error::Success();
   parallel_for(pool, tasks, item);
   return ffi::Error::Success();
 }
