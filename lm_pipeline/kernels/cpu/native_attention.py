@@ -57,6 +57,7 @@ _log = logging.getLogger(__name__)
 
 F32 = jnp.float32
 SOURCES = (Path(__file__).parent / "native" / "cpu_attention.cc", Path(__file__).parent / "native" / "cpu_transpose.cc")
+HEADERS = (Path(__file__).parent / "native" / "cpu_parallel.h",)  # included by the sources: part of the build's key
 DIR_ENV = "LM_PIPELINE_NATIVE_DIR"
 ISA_ENV = "LM_PIPELINE_NATIVE_ISA"
 _FWD, _BWD = "lm_pipeline_causal_attention_fwd", "lm_pipeline_causal_attention_bwd"
@@ -132,7 +133,7 @@ def _compile_flags(isa: str) -> list[str]:
 
 
 def _build(cxx: str, isa: str) -> Path:
-    src = b"\0".join(path.read_bytes() for path in SOURCES)
+    src = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     flags = _compile_flags(isa)
     key = hashlib.sha256(

@@ -5,51 +5,21 @@
 // gradient x^T g that form goes to Eigen (f32), and with bf16 operands XLA computes the product
 // in f32. Behind this opaque call the product is a plain [K, M] @ [M, N] that YNNPACK takes at
 // the operands' own precision (bf16 x bf16 -> f32 on AVX512-BF16 / AMX). Tiles of 16 x 16
-// elements go through registers-sized blocks; tile rows are split over XLA's intra-op pool.
+// elements go through a register-sized block; tile rows are split over XLA's intra-op pool.
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using lm_pipeline_native::parallel_for;
 
 namespace {
 
 constexpr int64_t kTile = 16;
-
-template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, const F& f) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto st = std::make_shared<State>();
-  auto run = [st, n](const F* fp) {
-    for (;;) {
-      const int64_t i = st->next.fetch_add(1);
-      if (i >= n) return;
-      (*fp)(i);
-      if (st->done.fetch_add(1) + 1 == n) {
-        std::lock_guard<std::mutex> lock(st->mu);
-        st->cv.notify_all();
-      }
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n) - 1;
-  const F* fp = &f;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([run, fp] { run(fp); });
-  run(fp);
-  std::unique_lock<std::mutex> lock(st->mu);
-  st->cv.wait(lock, [&] { return st->done.load() == n; });
-}
 
 // out[k, m] = in[m, k] for m in [m0, m1), all k.
 template <typename T>
