@@ -158,6 +158,8 @@ def test_native_head_gradients_match_float64(operands):
     rnd = _bf64 if operands else (lambda a: np.asarray(a, np.float64))
     logits, vjp = jax.vjp(lambda a, c: matmul.lm_logits(a, c, operands, True), jnp.asarray(x), jnp.asarray(w))
     np.testing.assert_allclose(np.asarray(logits, np.float64), rnd(x) @ rnd(w).T, rtol=1e-5, atol=1e-5)
+    one = jax.grad(lambda c: jnp.sum(matmul.lm_logits(jnp.asarray(x[0]), c, operands, True) * g[0]))(jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(one, np.float64), rnd(g[0]).T @ rnd(x[0]), rtol=1e-5, atol=1e-4)  # [T, D] rows
     dx, dw = vjp(jnp.asarray(g))
     np.testing.assert_allclose(np.asarray(dx, np.float64), rnd(g) @ rnd(w), rtol=1e-5, atol=1e-5)
     ref_dw = np.einsum("btv,btd->vd", rnd(g), rnd(x))

@@ -152,7 +152,7 @@ def head_grad(x: jax.Array, g: jax.Array) -> jax.Array:
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _native_logits(x: jax.Array, w: jax.Array, operands=None) -> jax.Array:
-    return _einsum("btd,vd->btv", round_to(x, operands), round_to(w, operands), jnp.result_type(x, w))
+    return _einsum("...d,vd->...v", round_to(x, operands), round_to(w, operands), jnp.result_type(x, w))
 
 
 def _native_logits_fwd(x, w, operands):
@@ -162,7 +162,7 @@ def _native_logits_fwd(x, w, operands):
 def _native_logits_bwd(operands, res, g):
     x, w = res
     gl = round_to(g, operands)
-    dx = _einsum("btv,vd->btd", gl, round_to(w, operands), x.dtype)
+    dx = _einsum("...v,vd->...d", gl, round_to(w, operands), x.dtype)
     dw = head_grad(round_to(x, operands).reshape(-1, x.shape[-1]), gl.reshape(-1, g.shape[-1]))
     return dx, dw.astype(w.dtype)
 
