@@ -203,3 +203,31 @@ def test_low_precision_bias_gradient_is_the_float64_sum_rounded_once(bias_shape)
     assert gb.dtype == jnp.bfloat16 and gb.shape == bias_shape
     np.testing.assert_array_equal(np.asarray(gb, np.float32), want.astype(np.float32).astype(jnp.bfloat16).astype(np.float32))
     assert cpu.add_bias(y, None) is y
+
+
+def test_bf16_rounding_is_ml_dtypes_round_to_nearest_even_bit_for_bit():
+    """The matmul operands' float32 -> bfloat16 rounding (integer operations) against ml_dtypes'
+    conversion: random bit patterns, ties at odd and even mantissas, subnormals, the largest
+    finite values (which round to inf), infinities and NaNs of either sign."""
+    import ml_dtypes
+
+    from lm_pipeline.kernels.cpu.matmul import bf16_round, round_to
+
+    rng = np.random.default_rng(0)
+    patterns = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    ties = (rng.integers(0, 2**16, 20_000).astype(np.uint32) << 16) | 0x8000  # exactly half way
+    special = np.array([0, 0x80000000, 0x00000001, 0x007FFFFF, 0x80400000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F7FFF,
+                        0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0x3F808000, 0x3F818000,
+                        0x3F80FFFF, 0x3F817FFF], np.uint32)
+    bits = np.concatenate([patterns, ties, special])
+    x = bits.view(np.float32)
+    ours = np.asarray(jax.jit(bf16_round)(jnp.asarray(x))).view(np.uint16)
+    with np.errstate(invalid="ignore"):  # NumPy warns on casting NaNs
+        ref = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    nan = np.isnan(x)
+    assert nan.sum() > 100 and np.isinf(x).sum() == 2
+    np.testing.assert_array_equal(ours[~nan], ref[~nan])
+    assert np.isnan(ours[nan].view(ml_dtypes.bfloat16).astype(np.float32)).all()  # never rounded to inf
+    np.testing.assert_array_equal(ours[nan] >> 15, bits[nan] >> 31)  # the sign kept
+    assert round_to(jnp.asarray(x[:8]), jnp.bfloat16).dtype == jnp.bfloat16
+    assert round_to(jnp.asarray(x[:8]), None) is not None and round_to(jnp.ones(2, jnp.bfloat16), jnp.bfloat16).dtype == jnp.bfloat16
