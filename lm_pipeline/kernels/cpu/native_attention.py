@@ -4,8 +4,9 @@ XLA:CPU runs attention's many small batched products (per batch x head) far belo
 machine's matmul rate. ``native/cpu_attention.cc`` computes the whole causal attention of one
 (batch, head) pair per task on XLA's own intra-op thread pool: query blocks of 64 rows,
 register-blocked ``6 x 16`` products, the softmax (forward) and ``P * (dP - delta)`` (backward)
-fused between them, reading q/k/v in the model's ``[B, T, heads, H]`` layout. Measurements are
-in ``docs/benchmarks.md``.
+fused between them, reading q/k/v in the model's ``[B, T, heads, H]`` layout. Each product
+computes only the blocks the causal mask leaves and reads ``P^T`` / ``dS^T`` in place.
+Measurements are in ``docs/benchmarks.md``.
 
 The same library holds a 2-D transpose (``native/cpu_transpose.cc``, :func:`transpose_target`)
 that :func:`lm_pipeline.kernels.cpu.matmul.xt_g` puts in front of a weight gradient's product,

@@ -249,6 +249,55 @@ inline float exp_row(float* p, int n, float sub) {
   return s;
 }
 
+// out[i] = sum_h a[i * ld + h] * b[i * ld + h], each product rounded and added in the order of h
+// (no fused multiply-add, on every ISA level); with AVX eight rows at a time, one per lane, from
+// 8 x 8 blocks transposed in registers.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+void row_dots(int T, int H, const float* a, const float* b, int ld, float* out) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  int i = 0;
+#ifdef __AVX__
+  const int H8 = H / 8 * 8;
+  alignas(32) float ta[8][8], tb[8][8], acc8[8];
+  for (; i + 8 <= T; i += 8) {
+    v8 acc = splat(0.f);
+    for (int h0 = 0; h0 < H8; h0 += 8) {
+      transpose8(a + i * ld + h0, ld, &ta[0][0], 8);
+      transpose8(b + i * ld + h0, ld, &tb[0][0], 8);
+      for (int hh = 0; hh < 8; ++hh) {
+        const v8 prod = load8(ta[hh]) * load8(tb[hh]);
+        acc = acc + prod;
+      }
+    }
+    store8(acc8, acc);
+    for (int l = 0; l < 8; ++l) {
+      float s = acc8[l];
+      for (int h = H8; h < H; ++h) {
+        const float prod = a[(i + l) * ld + h] * b[(i + l) * ld + h];
+        s = s + prod;
+      }
+      out[i + l] = s;
+    }
+  }
+#endif
+  for (; i < T; ++i) {
+    float s = 0.f;
+    for (int h = 0; h < H; ++h) {
+      const float prod = a[i * ld + h] * b[i * ld + h];
+      s = s + prod;
+    }
+    out[i] = s;
+  }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
 struct Dims {
   int64_t B, T, N, K, H, G;
 };
@@ -337,11 +386,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
       const size_t off = (b * T * d.N + n) * H;
       const float *qb = Q + off, *ob = O + off, *dob = DO + off, *lb = LSE + (b * d.N + n) * T;
       float* dqb = DQ + off;
-      for (int i = 0; i < T; ++i) {
-        float s = 0.f;
-        for (int h = 0; h < H; ++h) s += dob[i * ldq + h] * ob[i * ldq + h];
-        delta[i] = s;
-      }
+      row_dots(T, H, dob, ob, ldq, delta.data());  // delta_i = dO_i . O_i
       for (int r0 = 0; r0 < T; r0 += kBlockQ) {
         const int rows = std::min(kBlockQ, T - r0), L = r0 + rows;
         gemm<false>(rows, L, H, qb + r0 * ldq, ldq, kt.data(), T, p.data(), L, false, Causal::kColsTo, r0);  // scores
