@@ -316,3 +316,39 @@ def test_a_corrupt_compressed_shard_under_skip_keeps_what_precedes_the_damage_an
     strict = load_config(None, {"data.train_urls": [str(bad)], "store.root": str(tmp_path / "store2")})
     with pytest.raises(DataValidationError, match=r"cut\.jsonl\.gz: the gzip stream is truncated or corrupt.*on_invalid: skip"):
         Pipeline(strict, progress=False).raw_shards()
+
+
+@pytest.mark.parametrize("min_length", [0, 1, 2, 5])
+def test_a_clean_chunk_skips_the_schema_only_when_the_schema_passes_it(min_length, monkeypatch):
+    """The fast path for chunks of plainly good texts agrees with the pandera schema: for random
+    records of every kind, a record is 'plainly valid' exactly when the schema flags nothing for
+    it; a chunk of such records never reaches the schema (nor imports pandera's checks), and one
+    bad record among them sends the whole chunk to the schema, which names it."""
+    import random
+
+    rng = random.Random(min_length)
+    values = ["", " ", " \t\n", "a", " ab ", "abcd", "abcde", "  abcdef  ", "é", "日本語テキスト", "\ud800x", "x\udfff",
+              42, None, ["list"], {"o": 1}, 1.5, True]
+    v = RecordValidator("mem", "text", min_length, "skip")
+    records = []
+    for i in range(400):
+        kind = rng.random()
+        if kind < 0.1:
+            records.append(RawRecord(f"r{i}", "bad_json", "invalid JSON", False))
+        elif kind < 0.2:
+            records.append(RawRecord(f"r{i}", present=False, keys=("a",)))
+        else:
+            records.append(RawRecord(f"r{i}", value=rng.choice(values)))
+    schema = v._schema_failures(records)
+    plain = {i for i, rec in enumerate(records) if v._plainly_valid(rec)}
+    assert plain and len(plain) < len(records)
+    assert plain == set(range(len(records))) - set(schema)  # plainly valid <=> no schema failure
+
+    calls = []
+    monkeypatch.setattr(v, "_schema_failures", lambda chunk: calls.append(len(chunk)) or {})
+    clean = [records[i] for i in sorted(plain)]
+    assert v.check_chunk(clean) == {} and calls == []
+    monkeypatch.undo()
+    bad = next(i for i in range(len(records)) if i not in plain)
+    mixed = [*clean[:5], records[bad], *clean[5:9]]
+    assert v.check_chunk(mixed) == {5: schema[bad]}
