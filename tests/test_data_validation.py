@@ -333,10 +333,10 @@ def test_a_clean_chunk_skips_the_schema_only_when_the_schema_passes_it(min_lengt
     records = []
     for i in range(400):
         kind = rng.random()
-        if kind < 0.1:
-            records.append(RawRecord(f"r{i}", "bad_json", "invalid JSON", False))
+        if kind < 0.1:  # a parse problem, or a missing key, with or without a text beside it
+            records.append(RawRecord(f"r{i}", "bad_json", "invalid JSON", rng.random() < 0.5, rng.choice([None, "good text"])))
         elif kind < 0.2:
-            records.append(RawRecord(f"r{i}", present=False, keys=("a",)))
+            records.append(RawRecord(f"r{i}", present=False, value=rng.choice([None, "good text"]), keys=("a",)))
         else:
             records.append(RawRecord(f"r{i}", value=rng.choice(values)))
     schema = v._schema_failures(records)

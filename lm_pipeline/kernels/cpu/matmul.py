@@ -56,7 +56,8 @@ def bf16_round(x: jax.Array) -> jax.Array:
     producer and vectorises; its own convert runs at about half that speed (``docs/benchmarks.md``)."""
     u = jax.lax.bitcast_convert_type(x, jnp.uint32)
     rounded = (u + (jnp.uint32(0x7FFF) + ((u >> 16) & 1))) >> 16
-    bits = jnp.where(jnp.isnan(x), ((u >> 16) & 0x8000) | 0x7FC0, rounded).astype(jnp.uint16)  # a NaN: never rounded to inf
+    nan = (u & 0x7FFFFFFF) > 0x7F800000  # from the bits: no float comparison that fast-math could fold away
+    bits = jnp.where(nan, ((u >> 16) & 0x8000) | 0x7FC0, rounded).astype(jnp.uint16)  # a NaN: never rounded to inf
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 

@@ -298,6 +298,14 @@ void row_dots(int T, int H, const float* a, const float* b, int ld, float* out) 
 #pragma GCC pop_options
 #endif
 
+// Per-thread buffers are kept between items and calls; one over 1 MB (a long sequence's) is freed
+// after each item, so a pool thread does not hold it for the rest of the process.
+constexpr size_t kKeepFloats = size_t{1} << 18;
+template <typename... Bufs>
+void release_large(Bufs&... bufs) {
+  ((bufs.capacity() > kKeepFloats ? std::vector<float>().swap(bufs) : void()), ...);
+}
+
 struct Dims {
   int64_t B, T, N, K, H, G;
 };
@@ -351,6 +359,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
       }
       gemm<false>(rows, H, L, s.data(), L, vb, ldk, ob + r0 * ldq, ldq, false, Causal::kKTo, r0);
     }
+    release_large(kt, s);
   };
   parallel_for(pool, d.B * d.N, item);
   return ffi::Error::Success();
@@ -418,6 +427,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
       std::memcpy(dkout + i * ldk, dkb.data() + i * H, H * sizeof(float));
       std::memcpy(dvout + i * ldk, dvb.data() + i * H, H * sizeof(float));
     }
+    release_large(kt, vt, p, dp, delta, dkb, dvb);
   };
   parallel_for(pool, d.B * d.K, item);
   return ffi::Error::Success();
