@@ -198,6 +198,9 @@ def record_schema(min_length: int):
 
 
 def _utf8_ok(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (no lone surrogates); ASCII without trying."""
+    if text.isascii():
+        return True
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -285,7 +288,7 @@ class RecordValidator:
 
     def _plainly_valid(self, rec: RawRecord) -> bool:
         v = rec.value
-        if rec.reason or not rec.present or not isinstance(v, str) or not (v.isascii() or _utf8_ok(v)):
+        if rec.reason or not rec.present or not isinstance(v, str) or not _utf8_ok(v):
             return False
         if self.min_length < 1:
             return True
@@ -308,7 +311,7 @@ class RecordValidator:
             v = rec.value
             if isinstance(v, str):
                 is_str[i] = True
-                utf8_ok[i] = v.isascii() or _utf8_ok(v)
+                utf8_ok[i] = _utf8_ok(v)
                 stripped[i] = len(v.strip())
         df = pd.DataFrame(
             {
