@@ -10,7 +10,9 @@
 
 Each node is a ``ray start --block`` process in its own session, with 1 CPU, a 100 MB object
 store and its own temporary directory (so no other Ray on the machine sees it as "the local
-cluster"). The head runs the dashboard because Ray's job API lives there. Teardown always runs:
+cluster"). The fixture yields once both nodes take work: a batch of ``SPREAD`` probe tasks has
+run on each (a node that has only just registered gets no ``SPREAD`` task for a moment, so a
+test's first tasks could all land on the head). The head runs the dashboard because Ray's job API lives there. Teardown always runs:
 ``SIGTERM`` to each ``ray start`` (which stops the node's processes), then ``SIGKILL`` to the
 node's process group if anything is left; nothing else on the machine is touched.
 """
@@ -91,6 +93,27 @@ def _wait_job_api(cluster: RayCluster, deadline: float) -> None:
     raise TimeoutError(f"the Ray job API at {cluster.job_api} did not answer:\n{cluster.logs()}")
 
 
+def _wait_both_nodes_take_work(cluster: RayCluster, deadline: float) -> None:
+    import ray
+
+    ray.init(address=cluster.gcs_address, log_to_driver=False)
+    try:
+        @ray.remote(num_cpus=1, scheduling_strategy="SPREAD")
+        def node_id() -> str:
+            time.sleep(0.05)
+            return ray.get_runtime_context().get_node_id()
+
+        seen: set[str] = set()
+        while time.monotonic() < deadline:
+            seen = set(ray.get([node_id.remote() for _ in range(4)]))
+            if len(seen) == 2:
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"SPREAD probe tasks ran on {len(seen)} of the 2 nodes within {START_TIMEOUT_S} s:\n{cluster.logs()}")
+    finally:
+        ray.shutdown()
+
+
 def stop(cluster: RayCluster) -> None:
     """Stop the nodes (worker first), then make sure nothing of theirs is left."""
     for proc in reversed(cluster.procs):
@@ -131,6 +154,7 @@ def ray_cluster() -> Iterator[RayCluster]:
         worker = _start_node(cluster, "worker", [f"--address={cluster.gcs_address}", "--include-log-monitor=false"], env)
         _wait_started(cluster, "worker", worker, deadline)
         _wait_job_api(cluster, deadline)
+        _wait_both_nodes_take_work(cluster, deadline)
         yield cluster
     finally:
         stop(cluster)
