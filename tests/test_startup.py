@@ -97,6 +97,31 @@ def test_a_batch_of_other_shapes_goes_to_the_jitted_step():
         assert np.array_equal(x, y)
 
 
+def test_the_step_is_traced_on_the_calling_thread_and_compiled_on_another():
+    """Tracing holds the GIL: traced on the thread, it would take turns with the state's own
+    trace on one core. XLA's compilation does not, so that part runs on the thread."""
+    import threading
+
+    where: dict[str, str] = {}
+
+    class Step:
+        def lower(self, *args):
+            where["lower"] = threading.current_thread().name
+
+            class Lowered:
+                def compile(self):
+                    where["compile"] = threading.current_thread().name
+                    return lambda state, *batch: ("compiled", len(batch))
+
+            return Lowered()
+
+    tokens = jax.numpy.zeros((2, 4), jax.numpy.int32)
+    ahead = AheadStep(Step(), None, (tokens, None))
+    assert where["lower"] == threading.current_thread().name  # before the constructor returns
+    assert ahead.ready(timeout=30) and where["compile"] == "lm_pipeline-compile-ahead"
+    assert ahead(None, tokens, None) == ("compiled", 2) and ahead.compile_s is not None
+
+
 def test_a_compilation_that_fails_ahead_fails_where_the_step_is_called():
     calls = []
 

@@ -3,8 +3,11 @@
 A run's start-up compiles two large programs one after the other: the state's initialisation
 (or a checkpoint's restore) and the train step. Neither needs the other's result: the step's
 compilation needs only the state's shapes and shardings and the first batch's. :mod:`lm_pipeline.train.run`
-starts it on a thread as soon as the step functions exist (:class:`AheadStep`); XLA compiles without holding the GIL,
-so on a machine with a second core the two overlap (``docs/benchmarks.md``). CPU runs only:
+traces it as soon as the step functions exist and compiles it on a thread (:class:`AheadStep`); XLA
+compiles without holding the GIL, so on a machine with a second core the compilation overlaps
+the initialisation (``docs/benchmarks.md``). The trace itself runs first, on the calling thread:
+a trace holds the GIL, so tracing the step on the thread while the state's initialisation is
+traced would run both on one core. CPU runs only:
 a GPU compilation autotunes kernels on the device, which a concurrent initialisation would
 disturb. The loop then calls
 the :class:`AheadStep`, which runs the compiled program for arguments of the shapes it was
@@ -51,20 +54,30 @@ class AheadStep:
         self.compile_s: float | None = None
         abstract = tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
                          for a in batch)
+        t0 = time.perf_counter()
+        lowered = None
+        try:
+            # Traced here, before the state's initialisation is: tracing holds the GIL, so two
+            # traces on two threads would take turns on one core while the other idles.
+            with mesh if mesh is not None else contextlib.nullcontext():
+                lowered = self._fn.lower(state, *abstract)
+        except Exception as e:  # the jitted call raises it where the step runs
+            self._error = e
         # Not a daemon: a run that fails before its first step (a bad checkpoint path, Ctrl-C)
         # then exits once the compilation ends, instead of XLA aborting under a finalising
         # interpreter.
-        self._thread = threading.Thread(target=self._compile, args=(state, abstract, mesh),
+        self._thread = threading.Thread(target=self._compile, args=(lowered, t0),
                                         name="lm_pipeline-compile-ahead", daemon=False)
         self._thread.start()
 
-    def _compile(self, state: Any, batch: tuple[Any, ...], mesh: Any) -> None:
-        t0 = time.perf_counter()
+    def _compile(self, lowered: Any, t0: float) -> None:
+        if lowered is None:
+            return
         try:
-            with mesh if mesh is not None else contextlib.nullcontext():
-                self._compiled = self._fn.lower(state, *batch).compile()
+            self._compiled = lowered.compile()
             self.compile_s = time.perf_counter() - t0
-            log.info("train step compiled in %.2f s (on a thread, while the state was initialised)", self.compile_s)
+            log.info("train step traced and compiled in %.2f s (compiled on a thread, while the state was initialised)",
+                     self.compile_s)
         except BaseException as e:  # the jitted call raises it where the step runs
             self._error = e
 
