@@ -122,32 +122,6 @@ def test_the_step_is_traced_on_the_calling_thread_and_compiled_on_another():
     assert ahead(None, tokens, None) == ("compiled", 2) and ahead.compile_s is not None
 
 
-def test_in_the_background_both_run_on_the_thread_at_the_lowest_priority():
-    import os
-    import threading
-
-    where: dict[str, object] = {}
-
-    class Step:
-        def lower(self, *args):
-            where["lower"] = threading.current_thread().name
-            where["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-            class Lowered:
-                def compile(self):
-                    where["compile"] = threading.current_thread().name
-                    return lambda state, *batch: "compiled"
-
-            return Lowered()
-
-    tokens = jax.numpy.zeros((2, 4), jax.numpy.int32)
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    ahead = AheadStep(Step(), None, (tokens, None), background=True, name="eval step")
-    assert ahead.ready(timeout=30) and ahead(None, tokens, None) == "compiled"
-    assert where == {"lower": "lm_pipeline-compile-ahead", "compile": "lm_pipeline-compile-ahead", "nice": 19}
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # only that thread's
-
-
 def test_a_compilation_that_fails_ahead_fails_where_the_step_is_called():
     calls = []
 

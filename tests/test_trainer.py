@@ -66,27 +66,6 @@ def test_train_learns_and_logs(tmp_path):
     assert read_metadata(last)["step"] == 80
 
 
-def test_the_evaluation_compiled_in_the_background_is_the_jitted_evaluation(tmp_path, caplog):
-    """On CPU the evaluation step is compiled on a background thread while the steps run; every
-    evaluation's losses are those the plain jitted evaluation step gives for the same state."""
-    from lm_pipeline.train.trainer import evaluate_datasets
-
-    cfg = load_config(None, {**TINY, "trainer.num_train_steps": 12, "trainer.log_every": 6, "trainer.steps_per_eval": 6})
-    held = {"held": ArrayDataset(periodic_tokens(20, seed=3), 32), "other": ArrayDataset(periodic_tokens(9, seed=4), 32)}
-    with caplog.at_level("INFO", logger="lm_pipeline.train.precompile"):
-        res = train(cfg, train_data=ArrayDataset(periodic_tokens(64), 32), vocab_size=64, eval_data=held,
-                    run_dir=str(tmp_path / "run"))
-    assert "eval step traced and compiled in the background" in caplog.text
-    assert [e["step"] for e in res.eval_history] == [6, 12]
-    plan = make_mesh(cfg.trainer, jax.devices()[:1])
-    fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=64, num_train_steps=12, plan=plan,
-                               has_segments=False)
-    ref = evaluate_datasets(fns, res.state, held, plan, batch_size=8)
-    for name in held:
-        assert res.eval_history[-1][f"eval/{name}/loss"] == ref[name]["loss"], name
-    assert res.eval_history[0]["eval/held/loss"] != ref["held"]["loss"]  # the first evaluation saw another state
-
-
 def _packed_batches(steps: int, rows: int, seq_len: int = 32, vocab: int = 64) -> list[LmBatch]:
     """Random documents packed into rows with segment ids and trailing padding (id 0), so the
     micro-batches of a step hold different numbers of predicted tokens."""

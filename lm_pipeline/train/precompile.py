@@ -1,5 +1,4 @@
-"""The train step compiled on a background thread while the state is initialised or restored;
-the evaluation step compiled in the background while the steps run.
+"""The train step compiled on a background thread while the state is initialised or restored.
 
 A run's start-up compiles two large programs one after the other: the state's initialisation
 (or a checkpoint's restore) and the train step. Neither needs the other's result: the step's
@@ -14,11 +13,6 @@ disturb. The loop then calls
 the :class:`AheadStep`, which runs the compiled program for arguments of the shapes it was
 compiled for and hands any others to the jitted function (which compiles them as usual).
 
-The evaluation step is compiled the same way once the first train step has been dispatched,
-traced and compiled on the thread (``background=True``) at the lowest scheduling priority: it
-takes the cores the steps leave idle, and the first evaluation does not start with a
-compilation.
-
 A failed compilation on the thread is not reported there: the jitted function compiles the same
 program on the first call and raises the same error where the step is called.
 """
@@ -26,9 +20,7 @@ program on the first call and raises the same error where the step is called.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -37,13 +29,6 @@ from typing import Any
 import jax
 
 log = logging.getLogger(__name__)
-
-
-def _lowest_priority() -> None:
-    """This thread (and the threads it starts) at the lowest scheduling priority (Linux: the nice
-    value is per thread), so that work in the background takes only cores the run leaves idle."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -57,16 +42,12 @@ class AheadStep:
 
     ``fn``: the jitted step ``fn(state, *batch)``; ``state``: the abstract state (shapes and
     shardings); ``batch``: the first batch as the loop passes it (placed arrays or None), whose
-    shapes, dtypes and shardings the program is compiled for. ``mesh``: entered while tracing
-    (sharding constraints inside the step resolve against it, as in the loop). The step is traced
-    before the constructor returns and compiled on the thread; with ``background`` both happen on
-    the thread, at the lowest priority. ``name``: what the log line calls it.
+    shapes, dtypes and shardings the program is compiled for. ``mesh``: entered on the thread
+    (sharding constraints inside the step resolve against it, as in the loop).
     """
 
-    def __init__(self, fn: Callable[..., Any], state: Any, batch: tuple[Any, ...], mesh: Any = None, *,
-                 background: bool = False, name: str = "train step"):
+    def __init__(self, fn: Callable[..., Any], state: Any, batch: tuple[Any, ...], mesh: Any = None):
         self._fn = fn
-        self._name = name
         self._sig = _signature(batch)
         self._compiled: Callable[..., Any] | None = None
         self._error: BaseException | None = None
@@ -74,41 +55,29 @@ class AheadStep:
         abstract = tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
                          for a in batch)
         t0 = time.perf_counter()
-        lower = functools.partial(self._lower, state, abstract, mesh)
         lowered = None
-        if not background:
+        try:
             # Traced here, before the state's initialisation is: tracing holds the GIL, so two
             # traces on two threads would take turns on one core while the other idles.
-            lowered = lower()
+            with mesh if mesh is not None else contextlib.nullcontext():
+                lowered = self._fn.lower(state, *abstract)
+        except Exception as e:  # the jitted call raises it where the step runs
+            self._error = e
         # Not a daemon: a run that fails before its first step (a bad checkpoint path, Ctrl-C)
         # then exits once the compilation ends, instead of XLA aborting under a finalising
         # interpreter.
-        self._thread = threading.Thread(target=self._compile, args=(lowered, lower if background else None, t0),
+        self._thread = threading.Thread(target=self._compile, args=(lowered, t0),
                                         name="lm_pipeline-compile-ahead", daemon=False)
         self._thread.start()
 
-    def _lower(self, state: Any, abstract: tuple[Any, ...], mesh: Any) -> Any:
-        try:
-            with mesh if mesh is not None else contextlib.nullcontext():
-                return self._fn.lower(state, *abstract)
-        except Exception as e:  # the jitted call raises it where the step runs
-            self._error = e
-            return None
-
-    def _compile(self, lowered: Any, lower: Callable[[], Any] | None, t0: float) -> None:
-        if lower is not None:
-            _lowest_priority()
-            lowered = lower()
+    def _compile(self, lowered: Any, t0: float) -> None:
         if lowered is None:
             return
         try:
             self._compiled = lowered.compile()
             self.compile_s = time.perf_counter() - t0
-            if lower is None:
-                log.info("%s traced and compiled in %.2f s (compiled on a thread, while the state was initialised)",
-                         self._name, self.compile_s)
-            else:
-                log.info("%s traced and compiled in the background in %.2f s", self._name, self.compile_s)
+            log.info("train step traced and compiled in %.2f s (compiled on a thread, while the state was initialised)",
+                     self.compile_s)
         except BaseException as e:  # the jitted call raises it where the step runs
             self._error = e
 

@@ -173,8 +173,6 @@ def train(
                 state, metrics = fns.train_step_for(run.schedule.batch_size_at(step))(state, *step_args(fns, batch))
             done = step + 1
             profiler.after(done, state)
-            if step == start:
-                evaluator.compile_ahead()
             faultpoint("train.after_step")
             meter.after_step(step, metrics)
             eval_loss = evaluator(state, done) if evaluator.due(done) else None
@@ -365,21 +363,6 @@ class _Evaluator:
         per_device = tc.per_device_eval_parallelism if tc.per_device_eval_parallelism > 0 else max(
             1, tc.batch_schedule.max_size // plan.data_size)  # a schedule: its largest batch, as Levanter
         self.batch_size = per_device * plan.data_size
-
-    def compile_ahead(self) -> None:
-        """On CPU, the evaluation step compiled on a background thread at the lowest priority
-        (:class:`~lm_pipeline.train.precompile.AheadStep`): while the steps run, the thread gets
-        the cores they leave idle, so the first evaluation does not start with a compilation."""
-        fns, plan = self.run.fns, self.run.plan
-        if fns.compute.platform != "cpu" or not self.data or isinstance(fns.eval_step, AheadStep):
-            return
-        ds = next(iter(self.data.values()))
-        idx = np.arange(self.batch_size) % len(ds)
-        per = self.batch_size // jax.process_count()
-        idx = idx[jax.process_index() * per : (jax.process_index() + 1) * per]
-        first = step_args(fns, put_batch(ds.get_many(idx), plan))
-        ahead = AheadStep(fns.eval_step, fns.abstract_state, first, plan.mesh, background=True, name="eval step")
-        self.run.fns = dataclasses.replace(fns, eval_step=ahead)
 
     def due(self, done: int) -> bool:
         return bool(self.data) and (done % self.run.cfg.trainer.steps_per_eval == 0 or done == self.run.num_steps)
