@@ -102,11 +102,21 @@ def test_the_step_is_traced_on_the_calling_thread_and_compiled_on_another():
     trace on one core. XLA's compilation does not, so that part runs on the thread."""
     import threading
 
-    where: dict[str, str] = {}
+    where: dict[str, object] = {}
+
+    class Mesh:  # records where the mesh is entered and whether the trace ran inside it
+        inside = False
+
+        def __enter__(self):
+            where["mesh"] = threading.current_thread().name
+            Mesh.inside = True
+
+        def __exit__(self, *exc):
+            Mesh.inside = False
 
     class Step:
         def lower(self, *args):
-            where["lower"] = threading.current_thread().name
+            where["lower"] = (threading.current_thread().name, Mesh.inside)
 
             class Lowered:
                 def compile(self):
@@ -116,8 +126,10 @@ def test_the_step_is_traced_on_the_calling_thread_and_compiled_on_another():
             return Lowered()
 
     tokens = jax.numpy.zeros((2, 4), jax.numpy.int32)
-    ahead = AheadStep(Step(), None, (tokens, None))
-    assert where["lower"] == threading.current_thread().name  # before the constructor returns
+    ahead = AheadStep(Step(), None, (tokens, None), Mesh())
+    me = threading.current_thread().name
+    assert where["lower"] == (me, True) and where["mesh"] == me  # before the constructor returns
+    assert not Mesh.inside
     assert ahead.ready(timeout=30) and where["compile"] == "lm_pipeline-compile-ahead"
     assert ahead(None, tokens, None) == ("compiled", 2) and ahead.compile_s is not None
 

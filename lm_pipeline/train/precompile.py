@@ -13,8 +13,9 @@ disturb. The loop then calls
 the :class:`AheadStep`, which runs the compiled program for arguments of the shapes it was
 compiled for and hands any others to the jitted function (which compiles them as usual).
 
-A failed compilation on the thread is not reported there: the jitted function compiles the same
-program on the first call and raises the same error where the step is called.
+A failed trace (in the constructor) or compilation (on the thread) is not reported there: the
+jitted function traces and compiles the same program on the first call and raises the same
+error where the step is called.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ class AheadStep:
 
     ``fn``: the jitted step ``fn(state, *batch)``; ``state``: the abstract state (shapes and
     shardings); ``batch``: the first batch as the loop passes it (placed arrays or None), whose
-    shapes, dtypes and shardings the program is compiled for. ``mesh``: entered on the thread
-    (sharding constraints inside the step resolve against it, as in the loop).
+    shapes, dtypes and shardings the program is compiled for. ``mesh``: entered while the step is
+    traced, on the calling thread (sharding constraints inside the step resolve against it, as in
+    the loop). ``compile_s``: seconds from the start of the trace to the end of the compilation.
     """
 
     def __init__(self, fn: Callable[..., Any], state: Any, batch: tuple[Any, ...], mesh: Any = None):

@@ -96,22 +96,36 @@ def _wait_job_api(cluster: RayCluster, deadline: float) -> None:
 def _wait_both_nodes_take_work(cluster: RayCluster, deadline: float) -> None:
     import ray
 
-    ray.init(address=cluster.gcs_address, log_to_driver=False)
     try:
+        ray.init(address=cluster.gcs_address, log_to_driver=False)
+
         @ray.remote(num_cpus=1, scheduling_strategy="SPREAD")
         def node_id() -> str:
             time.sleep(0.05)
             return ray.get_runtime_context().get_node_id()
 
         seen: set[str] = set()
-        while time.monotonic() < deadline:
-            seen = set(ray.get([node_id.remote() for _ in range(4)]))
+        while True:  # at least one batch, each bounded by the deadline
+            refs = [node_id.remote() for _ in range(4)]
+            try:
+                seen = set(ray.get(refs, timeout=max(1.0, deadline - time.monotonic())))
+            except ray.exceptions.GetTimeoutError:
+                for ref in refs:
+                    ray.cancel(ref, force=True)
+                raise TimeoutError(f"SPREAD probe tasks did not finish within {START_TIMEOUT_S} s:\n{cluster.logs()}") from None
             if len(seen) == 2:
                 return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"SPREAD probe tasks ran on {len(seen)} of the 2 nodes within {START_TIMEOUT_S} s:\n"
+                                   f"{cluster.logs()}")
             time.sleep(0.5)
-        raise TimeoutError(f"SPREAD probe tasks ran on {len(seen)} of the 2 nodes within {START_TIMEOUT_S} s:\n{cluster.logs()}")
+    except (TimeoutError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        raise RuntimeError(f"the SPREAD probe of the test cluster failed: {e}\n{cluster.logs()}") from e
     finally:
-        ray.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 def stop(cluster: RayCluster) -> None:
