@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Generator, Mapping
@@ -37,6 +40,52 @@ from resources import ArtifactStoreResource, JaxRuntimeResource, TrainingLaunche
 #: What a failed launch's step failure ends with (the step is retried).
 RETRY_NOTE = "a retry resumes from the latest checkpoint"
 
+
+
+def tail_whole_lines(path: str, should_stop) -> Generator[str, None, None]:
+    """The lines appended to the file at ``path`` as they are written, each whole: a line the
+    writer has not finished (no newline yet) is held back until it is. Ends once ``should_stop()``
+    is true and the file has nothing more (a last line without a newline is then given as it is)."""
+    pending = ""
+    with open(path, encoding="utf-8") as f:
+        while True:
+            chunk = f.readline()
+            if chunk:
+                pending += chunk
+                if pending.endswith("\n"):
+                    yield pending
+                    pending = ""
+                continue
+            if should_stop():
+                if pending.strip():
+                    yield pending
+                return
+            time.sleep(0.01)
+
+
+class WholeLineFileMessageReader(dg.PipesFileMessageReader):
+    """Pipes' file message reader, reading whole lines only. Dagster's own tail hands a line that
+    the child is still writing to ``json.loads``; the error ends its reader thread and every later
+    message is lost (a finished training run then reported no materialization and was retried)."""
+
+    def _reader_thread(self, handler, is_resource_complete) -> None:
+        try:
+            for line in tail_whole_lines(self._path, is_resource_complete.is_set):
+                handler.handle_message(json.loads(line))
+        except:  # noqa: E722 - as Dagster's reader: report, then end the thread
+            handler.report_pipes_framework_exception(f"{self.__class__.__name__} reader thread", sys.exc_info())
+            raise
+
+
+class WholeLineTempFileMessageReader(dg.PipesTempFileMessageReader):
+    """:class:`WholeLineFileMessageReader` on a temporary file, as ``dg.PipesTempFileMessageReader``."""
+
+    @contextlib.contextmanager
+    def read_messages(self, handler):
+        with tempfile.TemporaryDirectory() as tempdir, WholeLineFileMessageReader(
+                os.path.join(tempdir, "messages"), include_stdio_in_messages=self._include_stdio_in_messages,
+        ).read_messages(handler) as params:
+            yield params
 
 class Launch:
     """One way of running a training (see :func:`train`, which drives it)."""
@@ -184,7 +233,7 @@ class PipesSubprocess(PipesLaunch):
     """``python -m lm_pipeline.pipes_train`` (the resource's command) as a child process."""
 
     def injector_and_reader(self):
-        return dg.PipesTempFileContextInjector(), dg.PipesTempFileMessageReader()
+        return dg.PipesTempFileContextInjector(), WholeLineTempFileMessageReader()
 
     def start(self) -> None:
         command = self.training.command()

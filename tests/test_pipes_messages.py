@@ -58,3 +58,35 @@ def test_file_channels_are_dagsters_own(tmp_path):
     with line_safe_writer().open({"path": str(path)}) as channel:
         channel.write_message(MESSAGE)
     assert _read(path.read_text())[0] == [MESSAGE]
+
+
+def test_a_message_still_being_written_is_read_whole(tmp_path):
+    """The child appends a message in two writes; a read between them sees half a line. The
+    reader holds it back until its newline arrives (Dagster's own tail hands the half to
+    ``json.loads``, which ends the reader thread and loses every later message)."""
+    import json
+
+    from dagster._utils import tail_file
+
+    from assets.launch import tail_whole_lines
+
+    def run(tail) -> list[str]:
+        path = tmp_path / f"messages-{tail.__name__}"
+        path.write_text('{"method": "report_asset_materialization", "params": {"metad')
+        calls = []
+
+        def should_stop() -> bool:  # the first time the file has nothing more: the writer finishes the line
+            calls.append(1)
+            if len(calls) == 1:
+                with open(path, "a") as f:
+                    f.write('ata": {}}}\n{"method": "closed"}\n')
+                return False
+            return True
+
+        return list(tail(str(path), should_stop))
+
+    lines = run(tail_whole_lines)
+    assert [json.loads(line)["method"] for line in lines] == ["report_asset_materialization", "closed"]
+    assert json.loads(lines[0])["params"] == {"metadata": {}}
+    theirs = run(tail_file)  # the race this reader closes
+    assert len(theirs) == 3 and not theirs[0].endswith("\n")
