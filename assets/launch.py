@@ -41,7 +41,6 @@ from resources import ArtifactStoreResource, JaxRuntimeResource, TrainingLaunche
 RETRY_NOTE = "a retry resumes from the latest checkpoint"
 
 
-
 def tail_whole_lines(path: str, should_stop) -> Generator[str, None, None]:
     """The lines appended to the file at ``path`` as they are written, each whole: a line the
     writer has not finished (no newline yet) is held back until it is. Ends once ``should_stop()``
@@ -86,6 +85,7 @@ class WholeLineTempFileMessageReader(dg.PipesTempFileMessageReader):
                 os.path.join(tempdir, "messages"), include_stdio_in_messages=self._include_stdio_in_messages,
         ).read_messages(handler) as params:
             yield params
+
 
 class Launch:
     """One way of running a training (see :func:`train`, which drives it)."""
