@@ -58,7 +58,9 @@ peer whose counts differ from ours is flagged and left out of the ratio.
 
 ``--install-peers`` pip-installs a missing peer's pinned version (``PEER_PINS``) into the
 interpreter that runs it, then runs it; without it a missing peer is reported as
-``not installed``, never dropped. ``--python NAME=PATH`` runs a trainer with another
+``not installed``, never dropped; one that is installed but does not import with the PyTorch at
+hand (torchtitan 0.3.0 on PyTorch 2.11: its ``fsdp`` module imports a name that version lacks) is
+reported as ``incompatible``. ``--python NAME=PATH`` runs a trainer with another
 interpreter (e.g. torchtitan from a scratch virtual environment).
 
 The last line is ``RESULT {json}``: ``rows`` (one per shape and trainer), ``shapes`` (per shape:
@@ -216,6 +218,19 @@ def _torch_setup(spec: dict):
     return torch, device, cuda, sync
 
 
+def _incompatible(peer: str, torch_version: str, e: ImportError) -> dict:
+    """The row of a peer that is installed but does not import with this PyTorch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        have = f"{peer} {version(peer)}"
+    except PackageNotFoundError:
+        have = peer
+    return {"status": "incompatible",
+            "error": f"{have} does not import with PyTorch {torch_version}: {e}; run it with a PyTorch it supports "
+                     f"(--python {peer}=PATH, or pip install {' '.join(PEER_PINS[peer])} with its own torch)"}
+
+
 def _is_oom(e: BaseException) -> bool:
     import torch
 
@@ -337,16 +352,19 @@ def child_torchtitan(spec: dict) -> dict:
         tt_utils.device_type, tt_utils.device_module = "cpu", torch.cpu
     from importlib.metadata import version
 
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.optimizer import default_adamw
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.config.configs import CommConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
-    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
-    from torchtitan.models import llama3 as tt_llama3
-    from torchtitan.protocols.model_spec import ModelSpec
-    from torchtitan.trainer import Trainer
+    try:
+        from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+        from torchtitan.components.optimizer import default_adamw
+        from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+        from torchtitan.config.configs import CommConfig
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed import utils as dist_utils
+        from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+        from torchtitan.models import llama3 as tt_llama3
+        from torchtitan.protocols.model_spec import ModelSpec
+        from torchtitan.trainer import Trainer
+    except ImportError as e:  # e.g. torchtitan 0.3.0 on PyTorch 2.11: a name its fsdp module needs is missing
+        return _incompatible("torchtitan", torch.__version__, e)
 
     m, b, mb = spec["model"], spec["batch"], spec["micro_batch"] or spec["batch"]
     t, v, d, n = m["seq_len"], m["vocab"], m["hidden_dim"], m["num_heads"]

@@ -75,3 +75,26 @@ def test_transformers_peer_builds_our_shapes(shape):
     assert params == ours.num_params(m["vocab"])
     assert fpt == ours.flops_per_token(m["vocab"])
     assert model.config.num_key_value_heads == m["num_kv_heads"] and not model.config.tie_word_embeddings
+
+
+def test_a_peer_that_does_not_import_with_this_pytorch_is_reported_incompatible(tmp_path, monkeypatch):
+    """An installed torchtitan whose modules fail to import against the PyTorch at hand (as 0.3.0 does on
+    PyTorch 2.11) gives an "incompatible" row naming both versions and the missing name, not a traceback.
+    The stand-in package fails the way the real one did: an import from torch.distributed.fsdp."""
+    torch = pytest.importorskip("torch")
+    pkg = tmp_path / "torchtitan"
+    for sub in ("", "tools", "components"):
+        (pkg / sub).mkdir(parents=True, exist_ok=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "tools" / "utils.py").write_text("device_type, device_module = 'cuda', None\n")
+    (pkg / "components" / "loss.py").write_text("from torch.distributed.fsdp import NoSuchNameInThisTorch\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "torchtitan" or m.startswith("torchtitan.")]:
+        monkeypatch.delitem(sys.modules, name)
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)  # restored afterwards (the child sets them where unset)
+    row = gpu_peers.child_torchtitan({"smoke": True, "port": 1})
+    assert row["status"] == "incompatible"
+    assert f"PyTorch {torch.__version__}" in row["error"] and "NoSuchNameInThisTorch" in row["error"]
+    assert "\n" not in row["error"] and "--python torchtitan=PATH" in row["error"]
