@@ -112,3 +112,10 @@ def write_experiments(tmp: Path, experiments: dict[str, dict[str, Any]] | None =
         (folder / f"{name}.yaml").write_text(yaml.safe_dump(tiny_config(tmp, **sections), sort_keys=False),
                                              encoding="utf-8")
     return folder
+
+
+def store_files(root: Path) -> dict[str, tuple[int, int]]:
+    """(size, mtime in ns) of every file under a store, by relative path, the XLA compilation cache
+    left out: equal before and after a run means the run wrote, added and removed no artifact file."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
+            if p.is_file() and "_xla_cache" not in p.relative_to(root).parts}
