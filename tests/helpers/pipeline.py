@@ -117,5 +117,5 @@ def write_experiments(tmp: Path, experiments: dict[str, dict[str, Any]] | None =
 def store_files(root: Path) -> dict[str, tuple[int, int]]:
     """(size, mtime in ns) of every file under a store, by relative path, the XLA compilation cache
     left out: equal before and after a run means the run wrote, added and removed no artifact file."""
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
-            if p.is_file() and "_xla_cache" not in p.relative_to(root).parts}
+    files = (p for p in root.rglob("*") if p.is_file() and "_xla_cache" not in p.relative_to(root).parts)
+    return {str(p.relative_to(root)): (st.st_size, st.st_mtime_ns) for p in files for st in (p.stat(),)}
