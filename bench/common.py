@@ -120,37 +120,49 @@ def host_line(info: dict | None = None) -> str:
     return line
 
 
-def _machine_busy_s() -> float:
-    """CPU seconds all processes on the machine have spent busy (from /proc/stat; 0 elsewhere)."""
+def machine_cpu_s(stat_text: str | None = None) -> tuple[float, float]:
+    """``(busy, steal)``: CPU seconds the machine's processes have spent busy, and CPU seconds the
+    hypervisor took from this (virtual) machine's CPUs to run something else (``steal``), both from
+    ``/proc/stat``'s first line (``stat_text`` replaces the file: tests); ``(0, 0)`` elsewhere.
+
+    Steal is kept apart from busy: on a VM whose host is contended a vCPU stops for a while, and a
+    program whose threads wait for each other after every operation stops with it, though no
+    other process ran in the guest."""
     try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return 0.0
-    # user nice system idle iowait irq softirq steal ...
-    busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
-    return busy / os.sysconf("SC_CLK_TCK")
+        if stat_text is None:
+            with open("/proc/stat") as f:
+                stat_text = f.readline()
+        v = [int(x) for x in stat_text.splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+    v += [0] * (8 - len(v))
+    # user nice system idle iowait irq softirq steal (guest time is already inside user/nice)
+    tick = os.sysconf("SC_CLK_TCK")
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / tick, v[7] / tick
 
 
 @dataclass
 class Counters:
-    """Wall time, CPU time (user, system) and minor page faults of this process, and the busy
-    CPU time of the whole machine (to tell how much other processes took during a window)."""
+    """Wall time, CPU time (user, system) and minor page faults of this process, the busy CPU
+    time of the whole machine (to tell how much other processes took during a window) and the
+    CPU time the hypervisor stole from the machine's vCPUs (:func:`machine_cpu_s`)."""
 
     wall: float
     user: float
     sys: float
     minflt: int
     machine: float
+    steal: float = 0.0
 
     @classmethod
     def now(cls) -> Counters:
         r = resource.getrusage(resource.RUSAGE_SELF)
-        return cls(time.perf_counter(), r.ru_utime, r.ru_stime, r.ru_minflt, _machine_busy_s())
+        busy, steal = machine_cpu_s()
+        return cls(time.perf_counter(), r.ru_utime, r.ru_stime, r.ru_minflt, busy, steal)
 
     def __sub__(self, other: Counters) -> Counters:
         return Counters(self.wall - other.wall, self.user - other.user, self.sys - other.sys,
-                        self.minflt - other.minflt, self.machine - other.machine)
+                        self.minflt - other.minflt, self.machine - other.machine, self.steal - other.steal)
 
     @property
     def others_cores(self) -> float:
@@ -159,6 +171,13 @@ class Counters:
         if self.wall <= 0:
             return 0.0
         return max(0.0, (self.machine - self.user - self.sys) / self.wall)
+
+    @property
+    def steal_cores(self) -> float:
+        """Cores' worth of CPU the hypervisor took from this machine during this interval."""
+        if self.wall <= 0:
+            return 0.0
+        return max(0.0, self.steal / self.wall)
 
 
 def summarize(values: list[float]) -> dict[str, float]:

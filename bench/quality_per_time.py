@@ -54,11 +54,12 @@ training loop), ``eval`` (the final evaluation, its compilation included), ``fin
 (checkpoint, plots, manifest, exit).
 
 Rounds alternate the two sides (``--rounds``), so a busy stretch of a shared machine hits both;
-each run records the load average before and after and the cores other processes used during it
-(``/proc/stat`` minus the run's own CPU time); medians are reported. On a shared machine,
-``--quiet-below LOAD`` starts each run only once the 1-minute load average is below LOAD, and
-``--retry-above CORES`` runs a side again when other processes took more than CORES cores during
-it (the discarded runs are listed). Steady GFLOP/s = the model's training FLOPs per token
+each run records the load average before and after, the cores other processes used during it
+(``/proc/stat`` minus the run's own CPU time) and the cores the hypervisor took from the virtual
+machine's vCPUs (``steal``); medians are reported. On a shared machine, ``--quiet-below LOAD``
+starts each run only once the 1-minute load average is below LOAD, and ``--retry-above CORES``
+runs a side again when other processes and steal together took more than CORES cores during it
+(the discarded runs are listed). Steady GFLOP/s = the model's training FLOPs per token
 (``6N + 12·L·T·D``) x tokens per step / the steady step time (nanoGPT: its median iteration).
 
     python bench/quality_per_time.py --nanogpt-dir ~/nanoGPT [--rounds 2]
@@ -96,7 +97,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, _machine_busy_s, host_info, host_line, loadavg, log_marks, log_time  # noqa: E402
+from common import ROOT, host_info, machine_cpu_s, host_line, loadavg, log_marks, log_time  # noqa: E402
 
 PY = sys.executable
 CLI = str(Path(PY).with_name("lm-pipeline"))
@@ -207,15 +208,16 @@ def timed(cmd: list[str], *, env: dict, cwd: str, log_path: Path, timeout: float
     wall time from start to exit, its CPU time (the process tree, as reaped), the cores other
     processes used meanwhile, the load average before and after."""
     load_before = loadavg()
-    r0, m0 = resource.getrusage(resource.RUSAGE_CHILDREN), _machine_busy_s()
+    r0, (m0, s0) = resource.getrusage(resource.RUSAGE_CHILDREN), machine_cpu_s()
     t0 = time.perf_counter()
     with open(log_path, "wb") as log, open(stdout_path or os.devnull, "wb") as out:
         proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=out if stdout_path else log, stderr=log, timeout=timeout)
     wall = time.perf_counter() - t0
-    r1, m1 = resource.getrusage(resource.RUSAGE_CHILDREN), _machine_busy_s()
+    r1, (m1, s1) = resource.getrusage(resource.RUSAGE_CHILDREN), machine_cpu_s()
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     return {"rc": proc.returncode, "wall_s": wall, "t_start": time.time() - wall, "cpu_s": cpu,
             "cpu_share": cpu / wall if wall else 0.0, "others_cores": max(0.0, (m1 - m0 - cpu) / wall) if wall else 0.0,
+            "steal_cores": max(0.0, (s1 - s0) / wall) if wall else 0.0,
             "load_before": load_before, "load_after": loadavg()}
 
 
@@ -456,8 +458,8 @@ def run_nanogpt(args, work: Path, tag: str) -> dict:
     res = {
         "wall_s": prep["wall_s"] + train["wall_s"], "prepare": prep, "train": train, **info,
         "cpu_s": prep["cpu_s"] + train["cpu_s"],
-        "others_cores": (prep["others_cores"] * prep["wall_s"] + train["others_cores"] * train["wall_s"])
-        / (prep["wall_s"] + train["wall_s"]),
+        **{k: (prep[k] * prep["wall_s"] + train[k] * train["wall_s"]) / (prep["wall_s"] + train["wall_s"])
+           for k in ("others_cores", "steal_cores")},
         "load_before": prep["load_before"], "load_after": train["load_after"],
         "steps": len(iters), "tokens": len(iters) * 12 * 64,
         "iter_ms_median": statistics.median(iters) if iters else None,
@@ -487,13 +489,13 @@ def _print_run(r: int, side: str, res: dict) -> None:
         print(f"  round {r} nanoGPT: {res['wall_s']:.1f} s (prepare {res['prepare']['wall_s']:.1f}, "
               f"train.py {res['train']['wall_s']:.1f}; {res['iter_ms_median']:.1f} ms/iter median), "
               f"bpb {res['bpb']:.4f} (own val {res['own_val_bpb']:.4f}); cpu share "
-              f"{res['cpu_share']:.2f}, others {res['others_cores']:.2f} cores, load "
+              f"{res['cpu_share']:.2f}, others {res['others_cores']:.2f} cores, steal {res['steal_cores']:.2f}, load "
               f"{res['load_before']:.2f} -> {res['load_after']:.2f}", flush=True)
     else:
         ph = " ".join(f"{k} {v:.1f}" for k, v in res["phases"].items() if k != "steady_step_s" and v is not None)
         print(f"  round {r} ours {side}: {res['wall_s']:.1f} s ({ph}; {res['steps']} steps x {res['batch']}), "
               f"bpb {res['bpb']:.4f} (in-run {res['in_run_bpb']:.4f}); cpu share {res['cpu_share']:.2f}, "
-              f"others {res['others_cores']:.2f} cores, load {res['load_before']:.2f} -> "
+              f"others {res['others_cores']:.2f} cores, steal {res['steal_cores']:.2f}, load {res['load_before']:.2f} -> "
               f"{res['load_after']:.2f}", flush=True)
 
 
@@ -573,11 +575,12 @@ def main(argv: list[str] | None = None) -> None:
                     res = run_nanogpt(args, work, f"{r}_{attempt}") if side == "nanogpt" else \
                         run_ours(side, dict(variants)[side], args, work, f"{r}_{attempt}")
                     _print_run(r, side, res)
-                    if args.retry_above is None or res["others_cores"] <= args.retry_above or attempt == args.retries:
+                    taken = res["others_cores"] + res["steal_cores"]
+                    if args.retry_above is None or taken <= args.retry_above or attempt == args.retries:
                         break
                     discarded.append({"side": side, "round": r, "wall_s": round(res["wall_s"], 2),
-                                      "others_cores": round(res["others_cores"], 3)})
-                    print(f"    other processes used {res['others_cores']:.2f} cores (> {args.retry_above}): "
+                                      "others_cores": round(res["others_cores"], 3), "steal_cores": round(res["steal_cores"], 3)})
+                    print(f"    other processes and the hypervisor took {taken:.2f} cores (> {args.retry_above}): "
                           "run again", flush=True)
                 (nano if side == "nanogpt" else ours[side]).append(res)
     finally:
@@ -609,6 +612,7 @@ def main(argv: list[str] | None = None) -> None:
             "phases_s": {k: round(v, 5 if k == "steady_step_s" else 3) if v is not None else None for k, v in _phase_medians(rows).items()},
             "cpu_s": round(_med(rows, "cpu_s"), 2), "steady_gflops": _round(_med(rows, "steady_gflops"), 1),
             "cpu_share": round(_med(rows, "cpu_share"), 3), "others_cores": round(_med(rows, "others_cores"), 3),
+            "steal_cores": round(_med(rows, "steal_cores"), 3),
             "loads": [[round(r["load_before"], 2), round(r["load_after"], 2)] for r in rows],
             "walls_s": [round(r["wall_s"], 2) for r in rows], "eval_bytes": rows[0].get("eval_bytes"),
             "final_train_loss": round(_med(rows, "final_train_loss"), 4), "params": rows[0].get("params"),
@@ -643,7 +647,8 @@ def main(argv: list[str] | None = None) -> None:
             "train_s": [round(n["train"]["wall_s"], 2) for n in nano], "own_val_bpb": round(_med(nano, "own_val_bpb"), 4),
             "iter_ms_median": round(_med(nano, "iter_ms_median"), 2), "cpu_share": round(_med(nano, "cpu_share"), 3),
             "cpu_s": round(_med(nano, "cpu_s"), 2), "steady_gflops": _round(_med(nano, "steady_gflops"), 1),
-            "others_cores": round(_med(nano, "others_cores"), 3), "steps": nano[0]["steps"], "tokens": nano[0]["tokens"],
+            "others_cores": round(_med(nano, "others_cores"), 3), "steal_cores": round(_med(nano, "steal_cores"), 3),
+            "steps": nano[0]["steps"], "tokens": nano[0]["tokens"],
             "train_bytes": nano[0]["train_bytes"], "val_bytes": nano[0]["val_bytes"], "eval_bytes": nano[0]["eval_bytes"],
             "params": nano[0]["params"], "ckpt_iter": nano[0]["ckpt_iter"], "tcmalloc": nano[0]["tcmalloc"],
             "loads": [[round(n["load_before"], 2), round(n["load_after"], 2)] for n in nano],

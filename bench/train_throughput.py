@@ -25,8 +25,10 @@ windows run round-robin (the order rotates every round, with a short pause betwe
 so one framework's spinning worker threads do not eat into the next one's window). Reported:
 the median tokens/s over the windows with min/max and IQR; each ratio is a ratio of medians,
 with the range of the per-round ratios and the best-window / best-window ratio beside it,
-and how many cores other processes on the machine used during the windows (from
-``/proc/stat``): on a shared machine that number says how far to trust the rest. Threads:
+how many cores other processes on the machine used during the windows, and how many the
+hypervisor took from this virtual machine's vCPUs (``steal``), both from ``/proc/stat``: on a
+shared machine or a contended host these say how far to trust the rest (a step whose two
+threads wait for each other loses more than the stolen share: its other thread idles). Threads:
 torch uses all cores (``torch.set_num_threads``), XLA's CPU client uses all cores by default; ``--threads 1``
 runs both single-threaded (on a busy machine torch's two OpenMP threads lose far more to
 preemption than one thread does, so this is the fairer comparison there).
@@ -225,6 +227,7 @@ def bench_shape(shape_name: str, args) -> dict:
     rates = {n: [] for n in VARIANTS}
     cpu = {n: [] for n in VARIANTS}
     others = []
+    steal = []
     for w in range(args.windows):
         order = VARIANTS[w % len(VARIANTS):] + VARIANTS[: w % len(VARIANTS)]
         for name in order:
@@ -233,10 +236,12 @@ def bench_shape(shape_name: str, args) -> dict:
             runners[name].run(steps[name])
             d = Counters.now() - c0
             rates[name].append(steps[name] * tokens_per_step / d.wall)
-            cpu[name].append((d.user / d.wall, d.sys / d.wall, d.minflt / steps[name]))
+            cpu[name].append((d.user / d.wall, d.sys / d.wall, d.minflt / steps[name], d.steal_cores))
             others.append(d.others_cores)
+            steal.append(d.steal_cores)
         if args.verbose:
-            print(f"  [{shape_name} window {w + 1}/{args.windows}, others {others[-1]:.1f} cores] "
+            print(f"  [{shape_name} window {w + 1}/{args.windows}, others {others[-1]:.1f} cores, "
+                  f"steal {steal[-1]:.2f} cores] "
                   + "  ".join(f"{n} {fmt_rate(rates[n][-1])}" for n in VARIANTS), flush=True)
     out = {
         "shape": vars_shape(shape),
@@ -249,10 +254,12 @@ def bench_shape(shape_name: str, args) -> dict:
             n: max(0.0, first_step[n] - tokens_per_step / summarize(rates[n])["median"])
             for n in VARIANTS if n.startswith("jax")
         },
-        "cpu": {n: {"user": med([c[0] for c in v]), "sys": med([c[1] for c in v]), "minflt_per_step": med([c[2] for c in v])}
+        "cpu": {n: {"user": med([c[0] for c in v]), "sys": med([c[1] for c in v]), "minflt_per_step": med([c[2] for c in v]),
+                    "steal": med([c[3] for c in v])}
                 for n, v in cpu.items()},
         "final_loss": {n: r.loss for n, r in runners.items()},
         "others_cores": summarize(others),
+        "steal_cores": summarize(steal),
     }
     del runners
     return out
@@ -296,7 +303,7 @@ def ratios(res: dict) -> dict:
 def print_table(results: dict, rat: dict) -> None:
     print()
     print(f"{'shape':<8} {'variant':<11} {'tok/s median':>13} {'min':>9} {'max':>9} {'IQR':>19} "
-          f"{'steps/win':>9} {'user':>5} {'sys':>5} {'faults/step':>11} {'compile s':>9}")
+          f"{'steps/win':>9} {'user':>5} {'sys':>5} {'steal':>5} {'faults/step':>11} {'compile s':>9}")
     for shape_name, res in results.items():
         for n in VARIANTS:
             s = res["tokens_per_s"][n]
@@ -304,7 +311,7 @@ def print_table(results: dict, rat: dict) -> None:
             comp = res["compile_s"].get(n)
             print(f"{shape_name:<8} {n:<11} {fmt_rate(s['median']):>13} {fmt_rate(s['min']):>9} {fmt_rate(s['max']):>9} "
                   f"{fmt_rate(s['q1']) + '-' + fmt_rate(s['q3']):>19} {res['steps_per_window'][n]:>9} "
-                  f"{c['user']:>5.2f} {c['sys']:>5.2f} {c['minflt_per_step']:>11.0f} "
+                  f"{c['user']:>5.2f} {c['sys']:>5.2f} {c['steal']:>5.2f} {c['minflt_per_step']:>11.0f} "
                   f"{'' if comp is None else f'{comp:.1f}':>9}")
     print()
     print(f"{'shape':<8} {'ratio':<34} {'median':>7} {'per-round range':>17} {'best/best':>10}")
@@ -317,7 +324,9 @@ def print_table(results: dict, rat: dict) -> None:
     print()
     for shape_name, res in results.items():
         o = res["others_cores"]
-        print(f"{shape_name}: other processes used {o['median']:.1f} cores (median over windows; {o['min']:.1f}-{o['max']:.1f})")
+        st = res["steal_cores"]
+        print(f"{shape_name}: other processes used {o['median']:.1f} cores (median over windows; {o['min']:.1f}-{o['max']:.1f}); "
+              f"the hypervisor stole {st['median']:.2f} cores (steal; {st['min']:.2f}-{st['max']:.2f})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -389,6 +398,7 @@ def main(argv: list[str] | None = None) -> None:
         "windows": args.windows,
         "best_window_ratio": {f"{s}_{k}": round(rat[s][k]["best"], 4) for s in shapes for k in PAIRS},
         "others_cores": {s: round(results[s]["others_cores"]["median"], 2) for s in shapes},
+        "steal_cores": {s: {k: round(results[s]["steal_cores"][k], 2) for k in ("median", "min", "max")} for s in shapes},
         "final_loss": {s: {n: round(v, 4) for n, v in results[s]["final_loss"].items()} for s in shapes},
         **host,
     }

@@ -104,6 +104,35 @@ def test_every_bench_script_reports_its_host(script):
     assert any({"host_info", "host_line"} <= {a.name for a in n.names} for n in imports), script
 
 
+# /proc/stat's first lines on a 2-vCPU guest whose host took 3.00 s of CPU (300 ticks of steal).
+PROC_STAT = """\
+cpu  3731036 41314 196123 1269781 9755 11 9368 63599 500 0
+cpu0 1878213 20666 97351 622588 5480 0 3885 31915 0 0
+"""
+
+
+def test_machine_cpu_s_keeps_steal_apart_from_busy():
+    tick = os.sysconf("SC_CLK_TCK")
+    busy, steal = common.machine_cpu_s(PROC_STAT)
+    # user + nice + system + irq + softirq; idle, iowait, steal and guest (already in user) are not busy
+    assert busy == pytest.approx((3731036 + 41314 + 196123 + 11 + 9368) / tick)
+    assert steal == pytest.approx(63599 / tick)
+    assert common.machine_cpu_s("cpu  10 0 5 100") == (pytest.approx(15 / tick), 0.0)  # an old kernel: no steal field
+    assert common.machine_cpu_s("") == (0.0, 0.0)
+    real = common.machine_cpu_s()
+    assert real[0] > 0 and real[1] >= 0
+
+
+def test_counters_split_other_processes_from_steal():
+    a = common.Counters(wall=10.0, user=5.0, sys=1.0, minflt=100, machine=20.0, steal=3.0)
+    b = common.Counters(wall=12.0, user=8.0, sys=1.5, minflt=160, machine=25.5, steal=4.0)
+    d = b - a
+    assert (d.wall, d.user, d.sys, d.minflt) == (pytest.approx(2.0), pytest.approx(3.0), pytest.approx(0.5), 60)
+    assert d.others_cores == pytest.approx((5.5 - 3.5) / 2.0)  # the machine's busy time beyond this process's own
+    assert d.steal_cores == pytest.approx(0.5)
+    assert common.Counters(0.0, 0, 0, 0, 0, 1.0).steal_cores == 0.0
+
+
 @pytest.mark.slow  # one tiny end-to-end CLI run from an empty store, and its evaluation (about 20-40 s)
 def test_quality_per_time_smoke(tmp_path):
     out = subprocess.run([sys.executable, str(BENCH / "quality_per_time.py"), "--smoke", "--work-root", str(tmp_path)],
