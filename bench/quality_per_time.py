@@ -97,7 +97,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, host_info, machine_cpu_s, host_line, loadavg, log_marks, log_time  # noqa: E402
+from common import ROOT, host_info, host_line, loadavg, log_marks, log_time, machine_cpu_s  # noqa: E402
 
 PY = sys.executable
 CLI = str(Path(PY).with_name("lm-pipeline"))
