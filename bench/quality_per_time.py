@@ -206,7 +206,7 @@ def _run_child(mode: str, spec: dict, timeout: float) -> dict:
 def timed(cmd: list[str], *, env: dict, cwd: str, log_path: Path, timeout: float, stdout_path: Path | None = None) -> dict:
     """Run ``cmd`` to completion (stderr, and stdout unless ``stdout_path``, into ``log_path``);
     wall time from start to exit, its CPU time (the process tree, as reaped), the cores other
-    processes used meanwhile, the load average before and after."""
+    processes used meanwhile and the hypervisor's steal, the load average before and after."""
     load_before = loadavg()
     r0, (m0, s0) = resource.getrusage(resource.RUSAGE_CHILDREN), machine_cpu_s()
     t0 = time.perf_counter()
