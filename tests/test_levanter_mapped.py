@@ -236,6 +236,7 @@ def test_scan_layers_false_unrolls_the_traced_layer_loop(checkpointing):
     assert loop({}) == [1]  # the CPU f32 plan's own rule: a scan
 
 
+@pytest.mark.slow  # three attention backends' loss and gradients compiled (about 45 s on a 2-core Xeon)
 def test_the_steps_loss_and_gradients_agree_across_backends(monkeypatch):
     """The training loss (fused head, chunks of 32 rows) and its gradients under attn_backend default,
     vanilla and jax_flash (blocks of 16) equal the plain-XLA reference plan's, packed rows included."""

@@ -260,6 +260,7 @@ def _sophia_run(per_device: int, batches):
     return [np.asarray(x, np.float64) for x in jax.tree.leaves(state.model)], hs
 
 
+@pytest.mark.slow  # two Sophia-H train steps compiled (about 45 s on a 2-core Xeon)
 def test_sophia_h_with_accumulation_estimates_the_hessian_on_the_whole_batch():
     """Three steps, an estimate each: 4 micro-batches of 4 rows (packed rows of unequal token counts)
     give the full batch's Hessian estimate (the same probe, the token-weighted mean over the batch) and
@@ -275,6 +276,7 @@ def test_sophia_h_with_accumulation_estimates_the_hessian_on_the_whole_batch():
         assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(a)
 
 
+@pytest.mark.slow  # a Sophia-H train step compiled (about 35 s on a 2-core Xeon)
 def test_the_trainers_sophia_h_probe_is_drawn_fresh_per_step_from_the_run_key():
     """Through the real train step (update_interval 1, beta2 0: h after step k is that step's estimate
     alone): h equals u_k * (H_k u_k) recomputed here apart from the optimizer: H_k the Hessian of the
