@@ -227,7 +227,6 @@ def bench_shape(shape_name: str, args) -> dict:
     rates = {n: [] for n in VARIANTS}
     cpu = {n: [] for n in VARIANTS}
     others = []
-    steal = []
     for w in range(args.windows):
         order = VARIANTS[w % len(VARIANTS):] + VARIANTS[: w % len(VARIANTS)]
         for name in order:
@@ -238,10 +237,9 @@ def bench_shape(shape_name: str, args) -> dict:
             rates[name].append(steps[name] * tokens_per_step / d.wall)
             cpu[name].append((d.user / d.wall, d.sys / d.wall, d.minflt / steps[name], d.steal_cores))
             others.append(d.others_cores)
-            steal.append(d.steal_cores)
         if args.verbose:
             print(f"  [{shape_name} window {w + 1}/{args.windows}, others {others[-1]:.1f} cores, "
-                  f"steal {steal[-1]:.2f} cores] "
+                  f"steal {d.steal_cores:.2f} cores] "
                   + "  ".join(f"{n} {fmt_rate(rates[n][-1])}" for n in VARIANTS), flush=True)
     out = {
         "shape": vars_shape(shape),
@@ -259,7 +257,7 @@ def bench_shape(shape_name: str, args) -> dict:
                 for n, v in cpu.items()},
         "final_loss": {n: r.loss for n, r in runners.items()},
         "others_cores": summarize(others),
-        "steal_cores": summarize(steal),
+        "steal_cores": summarize([c[3] for v in cpu.values() for c in v]),  # every window of every variant
     }
     del runners
     return out
