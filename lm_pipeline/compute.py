@@ -161,6 +161,10 @@ class ComputePlan:
         matmul_operands: None, or the dtype the projections' and the LM head's operands are
             rounded to (``trainer.mp``'s ``m=``): products accumulate in float32 and return in
             the compute dtype. Attention and the elementwise work keep the compute dtype.
+        blas: with ``matmul: cpu``, float32 products (projections, LM head, their gradients) go
+            to oneMKL's sgemm through the native library
+            (:func:`lm_pipeline.kernels.cpu.matmul.gemm`). Set on one CPU device of an Intel CPU
+            where oneMKL and the native library load (:func:`blas_choice`).
     """
 
     platform: str = "any"
@@ -178,6 +182,7 @@ class ComputePlan:
     layer_loop: Literal["auto", "scan", "unroll"] = "auto"
     fp8: bool = False
     matmul_operands: Any = None
+    blas: bool = False
 
     # --- what the models call -----------------------------------------------------------------
 
@@ -190,7 +195,7 @@ class ComputePlan:
         if self.matmul == "cpu":
             from lm_pipeline.kernels.cpu import matmul
 
-            return matmul.dense(x, w, self.matmul_operands, self.native_transpose)
+            return matmul.dense(x, w, self.matmul_operands, self.native_transpose, self.blas)
         return _einsum_in("...k,kn->...n", x, w, self.matmul_operands)
 
     def add_bias(self, y: jax.Array, b: jax.Array | None) -> jax.Array:
@@ -214,7 +219,7 @@ class ComputePlan:
         if self.matmul == "cpu":
             from lm_pipeline.kernels.cpu import matmul
 
-            logits = matmul.lm_logits(x, wp, self.matmul_operands, self.native_transpose)
+            logits = matmul.lm_logits(x, wp, self.matmul_operands, self.native_transpose, self.blas)
         else:
             logits = _einsum_in("btd,vd->btv", x, wp, self.matmul_operands)
         return logits if pad == 0 else logits[..., : w.shape[0]]
@@ -284,7 +289,8 @@ class ComputePlan:
         from lm_pipeline.kernels.cpu import fused_head_loss
 
         return fused_head_loss.fused_head_xent_sum(hidden, head, targets, mask, chunk_rows=self.head_chunk_rows or None,
-                                                   operands=self.matmul_operands, native=self.native_transpose)
+                                                   operands=self.matmul_operands, native=self.native_transpose,
+                                                   blas=self.blas)
 
 
 def _einsum_in(spec: str, a: jax.Array, b: jax.Array, operands: Any) -> jax.Array:
@@ -392,6 +398,7 @@ def _plan_for(platform: str, compute_dtype: Any, num_devices: int, loss_scaling:
             strict_attention=strict and choice == "native",
             matmul="cpu",
             native_transpose=num_devices == 1 and _native_library(),
+            blas=f32 and num_devices == 1 and _blas_gemm(),
             loss="logits" if loss_scaling else "cpu_fused_head",
             remat="cpu_dots" if f32 else "none",
             unroll_max_layers=0 if f32 else CPU_UNROLL_MAX_LAYERS,
@@ -410,6 +417,35 @@ def _plan_for(platform: str, compute_dtype: Any, num_devices: int, loss_scaling:
         vocab_pad_multiple=VOCAB_PAD_MULTIPLE,
         f16_attention_in_f32=False,
     )
+
+
+BLAS_ENV = "LM_PIPELINE_BLAS"
+BLAS_CHOICES = ("auto", "mkl", "xla")
+
+
+def blas_choice(environ: dict[str, str] | None = None) -> str:
+    """``$LM_PIPELINE_BLAS`` (``auto``, ``mkl`` or ``xla``; default ``auto``), validated."""
+    value = (os.environ if environ is None else environ).get(BLAS_ENV, "").strip().lower() or "auto"
+    if value not in BLAS_CHOICES:
+        raise ValueError(f"${BLAS_ENV} must be one of {', '.join(BLAS_CHOICES)}; got {value!r}")
+    return value
+
+
+def _blas_gemm() -> bool:
+    """Whether float32 products on one CPU device go to oneMKL's sgemm: ``auto`` on Intel CPUs
+    (on them it is faster than XLA:CPU's kernels; ``docs/benchmarks.md``), ``mkl`` anywhere, each
+    only where oneMKL and the native library load; ``xla`` never."""
+    from lm_pipeline.hostinfo import cpu_vendor
+    from lm_pipeline.kernels.cpu import blas
+
+    choice = blas_choice()
+    if choice == "xla" or (choice == "auto" and cpu_vendor() != "GenuineIntel"):
+        return False
+    if not (_native_library() and blas.available()):
+        if choice == "mkl":
+            raise ValueError(f"${BLAS_ENV}=mkl: oneMKL or the native CPU library does not load here")
+        return False
+    return True
 
 
 def _native_library() -> bool:

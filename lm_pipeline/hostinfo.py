@@ -111,6 +111,18 @@ def cpu_flags() -> str:
     return _platform.processor() or ""
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_vendor() -> str:
+    """The CPU's vendor id (``/proc/cpuinfo``'s ``vendor_id``: ``GenuineIntel``, ``AuthenticAMD``, ...), else ""."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def machine_signature() -> str:
     """Short hash of this machine's architecture and CPU features: compiled CPU code (XLA:CPU
     targets the host's features) is only reused on a machine with the same signature."""

@@ -17,7 +17,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from lm_pipeline.kernels.cpu.matmul import head_grad, round_to, xt_g
+from lm_pipeline.kernels.cpu.matmul import blas_nn, blas_nt, gemm, head_grad, round_to, uses_blas, xt_g
 
 HEAD_CHUNK_ROWS = 512
 """Token rows (batch x positions) per chunk: a chunk's ``[rows, vocab]`` logits, probabilities
@@ -35,7 +35,8 @@ def head_chunks(batch: int, seq_len: int, rows: int | None = None) -> tuple[tupl
 
 
 def fused_head_xent_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array, *,
-                        chunk_rows: int | None = None, operands=None, native: bool = False) -> jax.Array:
+                        chunk_rows: int | None = None, operands=None, native: bool = False,
+                        blas: bool = False) -> jax.Array:
     """``sum(mask * cross_entropy(hidden @ headᵀ, targets))`` in f32 nats.
 
     ``targets`` int ``[B, T]`` and ``mask`` f32 ``[B, T]`` get no gradient; ``hidden`` and
@@ -43,18 +44,22 @@ def fused_head_xent_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array, 
     (None: :data:`HEAD_CHUNK_ROWS`; Levanter's ``cross_entropy_block_size``). ``operands``: None,
     or the dtype the head's products round their operands to (``trainer.mp``'s ``m=``; float32
     accumulation, float32 softmax). ``native``: the weight gradient's transpose by the native
-    library (:func:`~lm_pipeline.kernels.cpu.matmul.xt_g`).
+    library (:func:`~lm_pipeline.kernels.cpu.matmul.xt_g`). ``blas``: float32 products by oneMKL's
+    sgemm (:func:`~lm_pipeline.kernels.cpu.matmul.gemm`), the head and the logits' gradient read
+    in place.
     """
+    f32_operands = operands is None or jnp.dtype(operands) == jnp.float32
+    blas = blas and f32_operands and uses_blas(True, hidden, head)  # decided here: the rules below rely on it
     return _fused_head_xent(hidden, head, targets, mask, head_chunks(*targets.shape, rows=chunk_rows), operands,
-                            native)
+                            native, blas)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fused_head_xent(hidden, head, targets, mask, bounds, operands=None, native=False):
-    return _head_xent_chunks(hidden, head, targets, mask, bounds, operands, grads=False)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fused_head_xent(hidden, head, targets, mask, bounds, operands=None, native=False, blas=False):
+    return _head_xent_chunks(hidden, head, targets, mask, bounds, operands, blas=blas, grads=False)[0]
 
 
-def _head_xent_chunks(hidden, head, targets, mask, bounds, operands=None, native=False, *, grads: bool):
+def _head_xent_chunks(hidden, head, targets, mask, bounds, operands=None, native=False, blas=False, *, grads: bool):
     f32 = jnp.float32
     total = jnp.zeros((), f32)
     d_hidden, d_head_t = [], None
@@ -66,7 +71,7 @@ def _head_xent_chunks(hidden, head, targets, mask, bounds, operands=None, native
         tgt, m = targets[:, t0:t1], mask[:, t0:t1]
         # f32 logits from compute-dtype operands (bf16 x bf16 -> f32: YNNPACK's bf16 kernels)
         hl = round_to(h, operands)
-        lf = jnp.einsum("btd,vd->btv", hl, head_in, preferred_element_type=f32)
+        lf = blas_nt(hl, head_in) if blas else jnp.einsum("btd,vd->btv", hl, head_in, preferred_element_type=f32)
         mx = jnp.max(lf, axis=-1)
         mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
         e = jnp.exp(lf - mx[..., None])
@@ -76,24 +81,29 @@ def _head_xent_chunks(hidden, head, targets, mask, bounds, operands=None, native
         if grads:
             onehot = jnp.arange(head.shape[0], dtype=tgt.dtype) == tgt[..., None]
             dl = ((e / z[..., None] - onehot.astype(f32)) * m[..., None]).astype(hl.dtype)
-            d_hidden.append(jnp.einsum("btv,vd->btd", dl, head_in, preferred_element_type=f32).astype(h.dtype))
             h2, dl2 = hl.reshape(-1, h.shape[-1]), dl.reshape(-1, dl.shape[-1])
-            # [V, D] straight from the native transpose, else [D, V] (transposed once, at the end)
-            part = (head_grad(h2, dl2) if native else xt_g(h2, dl2)).astype(f32)
+            if blas:  # dlᵀ h read in place, [V, D]
+                d_hidden.append(blas_nn(dl, head_in).astype(h.dtype))
+                part = gemm(dl2, h2, trans_a=True)
+            else:
+                d_hidden.append(jnp.einsum("btv,vd->btd", dl, head_in, preferred_element_type=f32).astype(h.dtype))
+                # [V, D] straight from the native transpose, else [D, V] (transposed once, at the end)
+                part = (head_grad(h2, dl2) if native else xt_g(h2, dl2)).astype(f32)
             d_head_t = part if d_head_t is None else d_head_t + part  # [V, D] when native, else [D, V]
     if not grads:
         return total, None
     return total, (jnp.concatenate(d_hidden, axis=1), d_head_t)
 
 
-def _fused_head_xent_fwd(hidden, head, targets, mask, bounds, operands, native):
-    total, (d_hidden, d_head_t) = _head_xent_chunks(hidden, head, targets, mask, bounds, operands, native, grads=True)
+def _fused_head_xent_fwd(hidden, head, targets, mask, bounds, operands, native, blas):
+    total, (d_hidden, d_head_t) = _head_xent_chunks(hidden, head, targets, mask, bounds, operands, native, blas,
+                                                    grads=True)
     return total, (d_hidden, d_head_t, jnp.zeros((), head.dtype))
 
 
-def _fused_head_xent_bwd(bounds, operands, native, res, g):
+def _fused_head_xent_bwd(bounds, operands, native, blas, res, g):
     d_hidden, d_head_t, head_dtype = res
-    d_head = d_head_t if native else d_head_t.T
+    d_head = d_head_t if native or blas else d_head_t.T
     return (g * d_hidden).astype(d_hidden.dtype), (g * d_head).astype(head_dtype.dtype), None, None
 
 

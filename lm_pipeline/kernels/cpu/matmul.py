@@ -15,6 +15,7 @@ CPU device where the native library builds) the transpose is the library's opaqu
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from functools import partial
 
@@ -61,25 +62,49 @@ def bf16_round(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def matmul(x: jax.Array, w: jax.Array, operands=None, native: bool = False) -> jax.Array:
+def uses_blas(blas: bool, *xs: jax.Array) -> bool:
+    """Whether a product of ``xs`` goes to :func:`gemm`: the plan asks for it (``blas``) and every
+    operand is float32."""
+    return blas and all(x.dtype == jnp.float32 for x in xs)
+
+
+def blas_nn(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x [..., K] @ w [K, N]`` by :func:`gemm`."""
+    return gemm(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+
+
+def blas_nt(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x [..., K] @ w [N, K]ᵀ`` by :func:`gemm`."""
+    return gemm(x.reshape(-1, x.shape[-1]), w, trans_b=True).reshape(*x.shape[:-1], w.shape[0])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def matmul(x: jax.Array, w: jax.Array, operands=None, native: bool = False, blas: bool = False) -> jax.Array:
     """``x [..., K] @ w [K, N] -> [..., N]``; the weight gradient goes through :func:`xt_g`.
 
     ``operands``: None, or the dtype both operands are rounded to in this product and in its two
     gradient products (which accumulate in float32); the result and the gradients keep the
-    inputs' dtypes. ``native``: :func:`xt_g`'s."""
-    return _einsum("...k,kn->...n", round_to(x, operands), round_to(w, operands), jnp.result_type(x, w))
+    inputs' dtypes. ``native``: :func:`xt_g`'s. ``blas``: float32 products (this one and both
+    gradient products) go to oneMKL's sgemm through :func:`gemm`, which reads the transposed
+    operands in place."""
+    xi, wi = round_to(x, operands), round_to(w, operands)
+    if uses_blas(blas, xi, wi):
+        return blas_nn(xi, wi)
+    return _einsum("...k,kn->...n", xi, wi, jnp.result_type(x, w))
 
 
-def _matmul_fwd(x, w, operands, native):
-    return matmul(x, w, operands, native), (x, w)
+def _matmul_fwd(x, w, operands, native, blas):
+    return matmul(x, w, operands, native, blas), (x, w)
 
 
-def _matmul_bwd(operands, native, res, g):
+def _matmul_bwd(operands, native, blas, res, g):
     x, w = res
-    gl = round_to(g, operands)
-    dx = _einsum("...n,kn->...k", gl, round_to(w, operands), x.dtype)
-    dw = xt_g(round_to(x, operands).reshape(-1, x.shape[-1]), gl.reshape(-1, g.shape[-1]), native)
+    gl, xi, wi = round_to(g, operands), round_to(x, operands), round_to(w, operands)
+    x2, g2 = xi.reshape(-1, x.shape[-1]), gl.reshape(-1, g.shape[-1])
+    if uses_blas(blas, gl, xi, wi):
+        return blas_nt(gl, wi).astype(x.dtype), gemm(x2, g2, trans_a=True).astype(w.dtype)
+    dx = _einsum("...n,kn->...k", gl, wi, x.dtype)
+    dw = xt_g(x2, g2, native)
     return dx, dw.astype(w.dtype)
 
 
@@ -117,10 +142,37 @@ def transpose(x: jax.Array, isa: str | None = None) -> jax.Array:
     return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(x.shape[::-1], x.dtype), vmap_method="sequential")(x)
 
 
-def dense(x: jax.Array, w: jax.Array, operands=None, native: bool = False) -> jax.Array:
+_sgemm_set: set[str] = set()
+
+
+def gemm(a: jax.Array, b: jax.Array, trans_a: bool = False, trans_b: bool = False, isa: str | None = None) -> jax.Array:
+    """``op(a) @ op(b)`` of 2-D float32 arrays by the native library's product with oneMKL's
+    sgemm (:mod:`~lm_pipeline.kernels.cpu.blas`): ``op(a)`` is ``a [M, K]`` or, with ``trans_a``,
+    ``a [K, M]`` transposed; ``op(b)`` is ``b [K, N]`` or, with ``trans_b``, ``b [N, K]``
+    transposed. Raises :class:`~lm_pipeline.kernels.cpu.blas.BlasUnavailable` or
+    :class:`~lm_pipeline.kernels.cpu.native_attention.NativeAttentionUnavailable` where it cannot
+    run. No gradient: :func:`matmul` and :func:`lm_logits` call it in their own rules."""
+    from lm_pipeline.kernels.cpu import blas, native_attention
+
+    if a.ndim != 2 or b.ndim != 2 or a.dtype != jnp.float32 or b.dtype != jnp.float32:
+        raise ValueError(f"gemm: two 2-D float32 arrays, got {a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}")
+    m, k = a.shape[::-1] if trans_a else a.shape
+    kb, n = b.shape[::-1] if trans_b else b.shape
+    if k != kb:
+        raise ValueError(f"gemm: op(a) is [{m}, {k}] and op(b) [{kb}, {n}]")
+    level = native_attention.load(isa)
+    if level not in _sgemm_set:
+        native_attention.library(level).LmpSetSgemm(ctypes.c_void_p(blas.sgemm_address()))
+        _sgemm_set.add(level)
+    return jax.ffi.ffi_call(native_attention.gemm_target(level), jax.ShapeDtypeStruct((m, n), jnp.float32),
+                            vmap_method="sequential")(a, b, trans_a=trans_a, trans_b=trans_b)
+
+
+def dense(x: jax.Array, w: jax.Array, operands=None, native: bool = False, blas: bool = False) -> jax.Array:
     """A projection ``x [..., K] @ w [K, N]`` through :func:`matmul` (``operands``: its operand
-    dtype; ``native``: :func:`xt_g`'s), its output named :data:`DENSE_OUT` for the remat policy."""
-    return checkpoint_name(matmul(x, w, operands, native), DENSE_OUT)
+    dtype; ``native``: :func:`xt_g`'s; ``blas``: :func:`matmul`'s), its output named
+    :data:`DENSE_OUT` for the remat policy."""
+    return checkpoint_name(matmul(x, w, operands, native, blas), DENSE_OUT)
 
 
 @jax.custom_vjp
@@ -148,13 +200,14 @@ def _add_bias_bwd(b, g):
 add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 
 
-def lm_logits(x: jax.Array, w: jax.Array, operands=None, native: bool = False) -> jax.Array:
+def lm_logits(x: jax.Array, w: jax.Array, operands=None, native: bool = False, blas: bool = False) -> jax.Array:
     """Logits ``x [B, T, D] @ w [V, D]ᵀ -> [B, T, V]``. The weight gradient is computed as
     ``(xᵀ g)ᵀ``: ``g``, the largest array of a small model's step, is read as it lies and only
     the ``[D, V]`` result is transposed. ``operands``: as :func:`matmul`'s. ``native``: the
-    weight gradient is ``T(g) @ x`` straight into ``[V, D]`` (:func:`head_grad`)."""
-    if native:
-        return _native_logits(x, w, operands)
+    weight gradient is ``T(g) @ x`` straight into ``[V, D]`` (:func:`head_grad`). ``blas``:
+    float32 products by :func:`gemm`, ``w`` and ``g`` read in place."""
+    if native or blas:
+        return _native_logits(x, w, operands, blas)
     return matmul(x, w.T, operands, native)
 
 
@@ -165,20 +218,26 @@ def head_grad(x: jax.Array, g: jax.Array) -> jax.Array:
     return jnp.matmul(transpose(g), x, preferred_element_type=_accumulation(x, g))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _native_logits(x: jax.Array, w: jax.Array, operands=None) -> jax.Array:
-    return _einsum("...d,vd->...v", round_to(x, operands), round_to(w, operands), jnp.result_type(x, w))
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _native_logits(x: jax.Array, w: jax.Array, operands=None, blas: bool = False) -> jax.Array:
+    xi, wi = round_to(x, operands), round_to(w, operands)
+    if uses_blas(blas, xi, wi):
+        return blas_nt(xi, wi)
+    return _einsum("...d,vd->...v", xi, wi, jnp.result_type(x, w))
 
 
-def _native_logits_fwd(x, w, operands):
-    return _native_logits(x, w, operands), (x, w)
+def _native_logits_fwd(x, w, operands, blas):
+    return _native_logits(x, w, operands, blas), (x, w)
 
 
-def _native_logits_bwd(operands, res, g):
+def _native_logits_bwd(operands, blas, res, g):
     x, w = res
-    gl = round_to(g, operands)
-    dx = _einsum("...v,vd->...d", gl, round_to(w, operands), x.dtype)
-    dw = head_grad(round_to(x, operands).reshape(-1, x.shape[-1]), gl.reshape(-1, g.shape[-1]))
+    gl, xi, wi = round_to(g, operands), round_to(x, operands), round_to(w, operands)
+    x2, g2 = xi.reshape(-1, x.shape[-1]), gl.reshape(-1, g.shape[-1])
+    if uses_blas(blas, gl, xi, wi):
+        return blas_nn(gl, wi).astype(x.dtype), gemm(g2, x2, trans_a=True).astype(w.dtype)
+    dx = _einsum("...v,vd->...d", gl, wi, x.dtype)
+    dw = head_grad(x2, g2)
     return dx, dw.astype(w.dtype)
 
 

@@ -57,12 +57,13 @@ from lm_pipeline.kernels.cpu.blocked_attention import ATTENTION_RESIDUALS
 _log = logging.getLogger(__name__)
 
 F32 = jnp.float32
-SOURCES = (Path(__file__).parent / "native" / "cpu_attention.cc", Path(__file__).parent / "native" / "cpu_transpose.cc")
+SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("cpu_attention.cc", "cpu_transpose.cc", "cpu_gemm.cc"))
 HEADERS = (Path(__file__).parent / "native" / "cpu_parallel.h",)  # included by the sources: part of the build's key
 DIR_ENV = "LM_PIPELINE_NATIVE_DIR"
 ISA_ENV = "LM_PIPELINE_NATIVE_ISA"
 _FWD, _BWD = "lm_pipeline_causal_attention_fwd", "lm_pipeline_causal_attention_bwd"
 _TRANSPOSE = "lm_pipeline_transpose"
+_GEMM = "lm_pipeline_gemm_f32"
 GENERIC = "generic"  # not x86-64: the compiler's default target for this architecture
 
 # x86-64 psABI micro-architecture levels, best first, with the /proc/cpuinfo flags each needs on
@@ -180,6 +181,18 @@ def transpose_target(isa: str) -> str:
     return f"{_TRANSPOSE}_{isa.replace('-', '_')}"
 
 
+def gemm_target(isa: str) -> str:
+    """The FFI target name of the library's float32 product (``native/cpu_gemm.cc``) for ``isa``;
+    it computes with the sgemm handed to :func:`library` ``(isa).LmpSetSgemm``
+    (:func:`lm_pipeline.kernels.cpu.matmul.gemm` does that)."""
+    return f"{_GEMM}_{isa.replace('-', '_')}"
+
+
+def library(isa: str) -> ctypes.CDLL:
+    """The loaded library of ``isa`` (after :func:`load`)."""
+    return _registered[isa][1]
+
+
 _registered: dict[str, tuple[Path, ctypes.CDLL]] = {}  # XLA keeps a target's first registration
 
 
@@ -191,6 +204,7 @@ def _register(isa: str) -> Path:
         jax.ffi.register_ffi_target(fwd, jax.ffi.pycapsule(lib.LmpCausalAttentionFwd), platform="cpu")
         jax.ffi.register_ffi_target(bwd, jax.ffi.pycapsule(lib.LmpCausalAttentionBwd), platform="cpu")
         jax.ffi.register_ffi_target(transpose_target(isa), jax.ffi.pycapsule(lib.LmpTranspose), platform="cpu")
+        jax.ffi.register_ffi_target(gemm_target(isa), jax.ffi.pycapsule(lib.LmpGemmF32), platform="cpu")
         _registered[isa] = (path, lib)
     _state[isa] = {"ok": True, "path": _registered[isa][0]}
     return path
