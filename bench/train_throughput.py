@@ -58,6 +58,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Counters, ensure_allocator, fmt_rate, host_info, host_line, loadavg, summarize  # noqa: E402
 
+BLAS_ENV = "LM_PIPELINE_BLAS"  # lm_pipeline.compute.BLAS_ENV (not imported before the allocator is set)
+
 VOCAB = 8192
 LR, BETAS, EPS, WD, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
@@ -182,6 +184,16 @@ class TorchRunner:
 
 
 # --- driver -----------------------------------------------------------------------------------
+
+
+def f32_product_kernel() -> str:
+    """What computes the JAX trainer's float32 products on this machine: ``oneMKL sgemm`` where
+    the compute plan takes it (Intel CPUs), else ``XLA``."""
+    import jax.numpy as jnp
+
+    from lm_pipeline.compute import plan_for
+
+    return "oneMKL sgemm" if plan_for("cpu", jnp.float32).blas else "XLA"
 
 
 def make_runner(name: str, shape: Shape):
@@ -373,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"allocator: {allocator}")
     print(f"jax {jax.__version__} ({jax.devices()[0].platform}, {jax.device_count()} device), torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), XLA {threads} threads, {cores} cores, load {loadavg():.1f}")
+    f32_products = f32_product_kernel()
+    print(f"JAX float32 products: {f32_products} (the compute plan's choice; ${BLAS_ENV}=xla|mkl overrides)")
     print(f"vocab {VOCAB}; windows {args.windows} x ~{args.window_s}s per variant, alternated")
     results, rat = {}, {}
     for s in shapes:
@@ -392,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
         "compile_s": {s: {n: round(v, 2) for n, v in results[s]["compile_s"].items()} for s in shapes},
         "tcmalloc": "tcmalloc" in allocator and "not" not in allocator and "disabled" not in allocator,
         "vocab": VOCAB,
+        "f32_products": f32_products,
         "threads": threads,
         "windows": args.windows,
         "best_window_ratio": {f"{s}_{k}": round(rat[s][k]["best"], 4) for s in shapes for k in PAIRS},
