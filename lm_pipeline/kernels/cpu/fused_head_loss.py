@@ -89,7 +89,7 @@ def _head_xent_chunks(hidden, head, targets, mask, bounds, operands=None, native
                 d_hidden.append(jnp.einsum("btv,vd->btd", dl, head_in, preferred_element_type=f32).astype(h.dtype))
                 # [V, D] straight from the native transpose, else [D, V] (transposed once, at the end)
                 part = (head_grad(h2, dl2) if native else xt_g(h2, dl2)).astype(f32)
-            d_head_t = part if d_head_t is None else d_head_t + part  # [V, D] when native, else [D, V]
+            d_head_t = part if d_head_t is None else d_head_t + part  # [V, D] when native or blas, else [D, V]
     if not grads:
         return total, None
     return total, (jnp.concatenate(d_hidden, axis=1), d_head_t)

@@ -11,6 +11,10 @@ optimisation barrier keeps the transposed copy; with bf16 operands XLA computes 
 float32 anyway (the rounded values, at float32's speed). With ``native`` (the plan's ``native_transpose``: one
 CPU device where the native library builds) the transpose is the library's opaque custom call
 (``native/cpu_transpose.cc``), so the product stays a plain one in the operands' own dtype.
+
+With ``blas`` (the plan's: float32 on one device of an Intel CPU) the float32 products, forward
+and both gradients, go to oneMKL's sgemm through the native library instead (:func:`gemm`),
+which reads a transposed operand in place: no transposed copy at all.
 """
 
 from __future__ import annotations
