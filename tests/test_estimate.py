@@ -7,6 +7,7 @@ import equinox as eqx
 import jax
 import pytest
 
+from lm_pipeline.compute import BLAS_ENV
 from lm_pipeline.config import load_config
 from lm_pipeline.estimate import (
     Estimate,
@@ -161,7 +162,10 @@ def xla_peak(cfg, vocab: int) -> int:
 
 @pytest.mark.parametrize("base, mp", [(GPT2, "f32"), (LLAMA, "p=f32,c=bf16")], ids=["gpt2_f32", "llama_gqa_bf16"])
 @pytest.mark.parametrize("remat", [True, False], ids=["remat", "no_remat"])
-def test_total_is_within_20_percent_of_xla(base, mp, remat):
+def test_total_is_within_20_percent_of_xla(base, mp, remat, monkeypatch):
+    # XLA's own products on every CPU (oneMKL's, taken on Intel CPUs, leave a plan 3% smaller at
+    # this toy shape: the estimate's 1.21x becomes 1.25x; docs/benchmarks.md)
+    monkeypatch.setenv(BLAS_ENV, "xla")
     cfg = cfg_of(base, model__gradient_checkpointing=remat, trainer__mp=mp)
     measured = xla_peak(cfg, VOCAB)
     e = est(cfg)
