@@ -138,7 +138,11 @@ def test_forcing_mkl_where_it_does_not_load_is_an_error(monkeypatch):
         compute._blas_gemm()
 
 
-def test_training_steps_through_blas_match_xlas_products(monkeypatch):
+@pytest.mark.parametrize("model", [
+    {"model.type": "gpt2"},
+    {"model.type": "llama", "model.intermediate_dim": 96, "model.num_kv_heads": 2},  # SwiGLU, GQA, untied head
+], ids=["gpt2", "llama"])
+def test_training_steps_through_blas_match_xlas_products(model, monkeypatch):
     from lm_pipeline.batch import LmBatch
     from lm_pipeline.config import load_config
     from lm_pipeline.train.sharding import make_mesh
@@ -146,7 +150,7 @@ def test_training_steps_through_blas_match_xlas_products(monkeypatch):
 
     rng = np.random.default_rng(4)
     batches = [LmBatch(rng.integers(0, 96, (4, 32), dtype=np.int32))] * 4  # one batch, learnt
-    cfg = load_config(None, {"model.type": "gpt2", "model.seq_len": 32, "model.hidden_dim": 48, "model.num_layers": 2,
+    cfg = load_config(None, {**model, "model.seq_len": 32, "model.hidden_dim": 48, "model.num_layers": 2,
                              "model.num_heads": 4, "trainer.train_batch_size": 4, "trainer.mp": "f32",
                              "optimizer.learning_rate": 3e-3, "optimizer.warmup": 0})
     runs = {}

@@ -99,6 +99,7 @@ def _one_step(overrides: dict, native: bool, monkeypatch) -> tuple[float, list[n
 
     with monkeypatch.context() as m:
         m.setattr(compute, "_native_library", lambda: native)
+        m.setenv(compute.BLAS_ENV, "xla")  # the transpose's products, not oneMKL's (tests/test_blas_gemm.py)
         cfg = load_config(None, {
             "model.seq_len": 16, "model.hidden_dim": 32, "model.num_heads": 2, "model.num_layers": 2,
             "model.gradient_checkpointing": False, "trainer.train_batch_size": 4, "optimizer.warmup": 0,
