@@ -140,7 +140,8 @@ def test_forcing_mkl_where_it_does_not_load_is_an_error(monkeypatch):
 
 @pytest.mark.parametrize("model", [
     {"model.type": "gpt2"},
-    {"model.type": "llama", "model.intermediate_dim": 96, "model.num_kv_heads": 2},  # SwiGLU, GQA, untied head
+    pytest.param({"model.type": "llama", "model.intermediate_dim": 96, "model.num_kv_heads": 2},  # SwiGLU, GQA, untied head
+                 marks=pytest.mark.slow),
 ], ids=["gpt2", "llama"])
 def test_training_steps_through_blas_match_xlas_products(model, monkeypatch):
     from lm_pipeline.batch import LmBatch
