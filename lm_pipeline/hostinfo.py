@@ -99,28 +99,28 @@ def detect_platform(environ: dict[str, str] | None = None) -> str:
     return _jax_backend() or _installed_accelerator(_plugins()) or "cpu"
 
 
+def _cpuinfo_value(*keys: str) -> str | None:
+    """The value of the first ``/proc/cpuinfo`` line starting with one of ``keys``, or None."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(keys):
+                return line.split(":", 1)[1]
+    except OSError:
+        pass
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> str:
     """The CPU's feature flags (``/proc/cpuinfo``'s ``flags`` line on Linux), else the processor name."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return _platform.processor() or ""
+    flags = _cpuinfo_value("flags", "Features")
+    return " ".join(sorted(flags.split())) if flags is not None else _platform.processor() or ""
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_vendor() -> str:
     """The CPU's vendor id (``/proc/cpuinfo``'s ``vendor_id``: ``GenuineIntel``, ``AuthenticAMD``, ...), else ""."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return (_cpuinfo_value("vendor_id") or "").strip()
 
 
 def machine_signature() -> str:
