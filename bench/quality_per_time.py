@@ -556,6 +556,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average {loadavg():.2f} at start; corpus: built-in python_stdlib, {args.corpus_bytes:,} bytes, "
           f"{args.validation_fraction:.0%} held out; model {MODEL['layers']} layers, {MODEL['heads']} heads, "
           f"width {MODEL['width']}, context {MODEL['ctx']}; {args.tokens:,} training tokens", flush=True)
+    Path(args.work_root).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="lm_quality_time_", dir=args.work_root))
     ours: dict[str, list[dict]] = {n: [] for n, _ in variants}
     nano: list[dict] = []
