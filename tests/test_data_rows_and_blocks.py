@@ -1,5 +1,5 @@
-"""Data-path checks that planted bugs slipped past: each compares against a plain NumPy/Python
-reference of the documented rule, never against the module's own output.
+"""Rows and blocks of the data path, each against a plain NumPy/Python reference of the documented
+rule, never against the module's own output.
 
 * ``concat`` layouts: ``row_pieces(r)`` is the span ``tokens[r * T:(r + 1) * T]``.
 * :class:`GrowingCacheDataset`: when the committed tokens are an exact multiple of ``seq_len``
