@@ -74,11 +74,15 @@ def _assert_same_cache(res, ref, groups, placed) -> None:
 def test_token_cache_built_by_ray_tasks_on_two_nodes_is_the_single_process_cache(ray_cluster, corpus, monkeypatch):  # noqa: F811
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     tmp, path, ref = corpus
-    pipe, groups, placed, res = _build_on_ray(ray_cluster, path, tmp / "ray")
+    for attempt in range(3):  # SPREAD is a preference: on a loaded machine Ray may keep every task on one node
+        store = tmp / f"ray{attempt}"
+        pipe, groups, placed, res = _build_on_ray(ray_cluster, path, store)
+        if len({p["node_id"] for p in placed}) == 2:
+            break
     assert len(groups) == 5
     assert len({p["node_id"] for p in placed}) == 2, placed  # SPREAD: both nodes tokenized
     _assert_same_cache(res, ref, groups, placed)
-    assert not list((tmp / "ray" / "token_cache").glob(".parts-*"))  # the parts are removed after the commit
+    assert not list((store / "token_cache").glob(".parts-*"))  # the parts are removed after the commit
     assert pipe.token_cache().hit  # the same address as the local build
     # the command line: lm-pipeline cache --ray_address ADDR
     out = io.StringIO()
