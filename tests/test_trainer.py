@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from helpers.nonfinite import poisoning
+from helpers.steps import train_steps
 
 from lm_pipeline.batch import ArrayDataset, LmBatch, StepBatchSource
 from lm_pipeline.config import load_config
@@ -84,18 +85,9 @@ def _packed_batches(steps: int, rows: int, seq_len: int = 32, vocab: int = 64) -
 
 
 def _train_steps(per_device: int, batches: list[LmBatch]):
-    cfg = load_config(None, {**TINY, "trainer.mp": "f32", "trainer.train_batch_size": 16,
-                             "trainer.per_device_parallelism": per_device, "optimizer.warmup": 0,
-                             "optimizer.weight_decay": 0.1})
-    plan = make_mesh(cfg.trainer, jax.devices()[:1])
-    fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=64, num_train_steps=10, plan=plan,
-                               has_segments=True)
-    state = fns.init(jax.random.key_data(jax.random.key(0)))
-    metrics = []
-    for b in batches:
-        state, m = fns.train_step(state, *put_batch(b, plan))
-        metrics.append({k: float(v) for k, v in m.items()})
-    return [np.asarray(x, np.float64) for x in jax.tree.leaves(state.model)], metrics
+    return train_steps({**TINY, "trainer.mp": "f32", "trainer.train_batch_size": 16,
+                        "trainer.per_device_parallelism": per_device, "optimizer.warmup": 0,
+                        "optimizer.weight_decay": 0.1}, batches)
 
 
 def test_gradient_accumulation_matches_full_batch():

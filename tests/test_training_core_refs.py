@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers.steps import train_steps
 
 from lm_pipeline.batch import LmBatch
 from lm_pipeline.config import load_config
@@ -59,16 +60,7 @@ def _masked_batches(steps: int, rows: int, seq_len: int = 32, vocab: int = 64) -
 
 
 def _masked_train(per_device: int, batches: list[LmBatch]):
-    cfg = load_config(None, {**TINY, "trainer.per_device_parallelism": per_device})
-    plan = make_mesh(cfg.trainer, jax.devices()[:1])
-    fns = build_step_functions(cfg.model, cfg.optimizer, cfg.trainer, vocab_size=64, num_train_steps=10, plan=plan,
-                               has_segments=True, has_loss_mask=True)
-    state = fns.init(jax.random.key_data(jax.random.key(0)))
-    metrics = []
-    for b in batches:
-        state, m = fns.train_step(state, *put_batch(b, plan))
-        metrics.append({k: float(v) for k, v in m.items()})
-    return [np.asarray(x, np.float64) for x in jax.tree.leaves(state.model)], metrics
+    return train_steps({**TINY, "trainer.per_device_parallelism": per_device}, batches, has_loss_mask=True)
 
 
 def test_loss_mask_under_gradient_accumulation_matches_the_one_micro_batch_step():
