@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 from helpers.nonfinite import poisoning
-from helpers.steps import train_steps
+from helpers.steps import segment_row, train_steps
 
 from lm_pipeline.batch import ArrayDataset, LmBatch, StepBatchSource
 from lm_pipeline.config import load_config
@@ -75,11 +75,7 @@ def _packed_batches(steps: int, rows: int, seq_len: int = 32, vocab: int = 64) -
     for _ in range(steps):
         seg = np.zeros((rows, seq_len), np.int32)
         for r in range(rows):
-            pos, doc = 0, 1
-            while pos < seq_len - rng.integers(0, 12):
-                n = int(rng.integers(2, 14))
-                seg[r, pos : pos + n] = doc
-                pos, doc = pos + n, doc + 1
+            seg[r] = segment_row(rng, seq_len, (2, 14), 12)
         out.append(LmBatch(rng.integers(0, vocab, (rows, seq_len)).astype(np.int32), seg[:, :seq_len]))
     return out
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers.steps import train_steps
+from helpers.steps import segment_row, train_steps
 
 from lm_pipeline.batch import LmBatch
 from lm_pipeline.config import load_config
@@ -44,11 +44,7 @@ def _masked_batches(steps: int, rows: int, seq_len: int = 32, vocab: int = 64) -
         seg = np.zeros((rows, seq_len), np.int32)
         mask = np.zeros((rows, seq_len), np.int32)
         for r in range(rows):
-            pos, doc = 0, 1
-            while pos < seq_len - rng.integers(0, 10):
-                n = int(rng.integers(3, 14))
-                seg[r, pos : pos + n] = doc
-                pos, doc = pos + n, doc + 1
+            seg[r] = segment_row(rng, seq_len, (3, 14), 10)
             if r % 5 != 4:  # row 4, 9, 14: no assistant tokens at all
                 lo = int(rng.integers(0, seq_len // 2))
                 hi = lo + int(rng.integers(1, seq_len // 2)) * (1 + r % 3)

@@ -26,3 +26,15 @@ def train_steps(overrides: dict, batches: list, *, has_loss_mask: bool = False, 
         state, m = fns.train_step(state, *put_batch(b, plan))
         metrics.append({k: float(v) for k, v in m.items()})
     return [np.asarray(x, np.float64) for x in jax.tree.leaves(state.model)], metrics
+
+
+def segment_row(rng: np.random.Generator, seq_len: int, doc_len: tuple[int, int], max_tail: int) -> np.ndarray:
+    """One packed row's segment ids: documents of ``doc_len`` (numpy's ``integers`` bounds) tokens
+    numbered from 1, until fewer than a random ``[0, max_tail)`` positions are left (then padding, 0)."""
+    seg = np.zeros(seq_len, np.int32)
+    pos, doc = 0, 1
+    while pos < seq_len - rng.integers(0, max_tail):
+        n = int(rng.integers(*doc_len))
+        seg[pos : pos + n] = doc
+        pos, doc = pos + n, doc + 1
+    return seg
