@@ -36,10 +36,21 @@ def config(pipe) -> dict[str, Any]:
     return {**view, "compute_dtype": pipe.eval_config.compute_dtype}
 
 
+#: Under an ``include_path``, what is not a task's source: hidden files and directories (``.git``),
+#: and the bytecode Python writes beside a task's ``!function`` module when the harness imports it
+#: (``__pycache__``), which would otherwise change the version after the first evaluation.
+_SKIPPED_DIRS = ("__pycache__",)
+_SKIPPED_SUFFIXES = (".pyc", ".pyo")
+
+
 def _files(root: str) -> list[str]:
     if os.path.isfile(root):
         return [root]
-    return sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names if not f.startswith("."))
+    out = []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = [x for x in dirs if not x.startswith(".") and x not in _SKIPPED_DIRS]
+        out += [os.path.join(d, f) for f in names if not f.startswith(".") and not f.endswith(_SKIPPED_SUFFIXES)]
+    return sorted(out)
 
 
 def sources(pipe, content: bool) -> dict[str, Any]:
