@@ -168,6 +168,14 @@ INIT_COMPILE_OPTIONS = {"xla_backend_optimization_level": 1}
 default level took 2.4 s of a small model's 5 s start-up; at level 1 it compiles in 1.0 s and
 computes the same bits (``tests/test_startup.py``)."""
 
+STEP_COMPILE_OPTIONS = {"xla_backend_optimization_level": 1}
+"""XLA:CPU options of the train and eval steps. Their time goes to YNNPACK's products, the native
+kernels and XLA's own loop fusions, which LLVM's level-2 passes do not make faster: compiled at
+level 1 the quality run's train step (4 layers, width 128) ran at 0.997x and the medium shape's
+(6 layers, width 384) at 0.999x the default's step time, and the quality step compiled in 2.3–2.7 s
+instead of 2.9–3.1 s (``docs/benchmarks.md``). The results agree with the default level's to a few
+ulps (a sum may be ordered differently; ``tests/test_startup.py``)."""
+
 
 def build_step_functions(
     model_cfg,
@@ -209,9 +217,12 @@ def build_step_functions(
     in_shardings = (lay.state_shardings, batch_sharding, batch_sharding if has_segments else None,
                     *((batch_sharding,) if has_loss_mask else ()))  # a chat source's loss mask
 
+    step_options = STEP_COMPILE_OPTIONS if compute.platform == "cpu" else None
+
     def jit_train_step(step_ctx: _StepContext) -> StepFn:
         return jax.jit(partial(_train_step, step_ctx), in_shardings=in_shardings,
-                       out_shardings=(lay.state_shardings, replicated), donate_argnums=(0,))
+                       out_shardings=(lay.state_shardings, replicated), donate_argnums=(0,),
+                       compiler_options=step_options)
 
     others = {size: jit_train_step(dataclasses.replace(ctx, micro=m, accum=a))
               for size, (m, a) in splits.items() if size != first}
@@ -219,7 +230,8 @@ def build_step_functions(
         init=jax.jit(lay.init_arrays, out_shardings=lay.state_shardings,
                      compiler_options=INIT_COMPILE_OPTIONS if compute.platform == "cpu" else None),
         train_step=jit_train_step(ctx),
-        eval_step=jax.jit(partial(_eval_step, ctx), in_shardings=in_shardings, out_shardings=(replicated, replicated)),
+        eval_step=jax.jit(partial(_eval_step, ctx), in_shardings=in_shardings, out_shardings=(replicated, replicated),
+                          compiler_options=step_options),
         state_shardings=lay.state_shardings,
         abstract_state=lay.abstract_state,
         compute=compute,
