@@ -17,7 +17,7 @@ import os
 import numpy as np
 import pytest
 from helpers.data import tiny_tokenizer
-from helpers.harness_tasks import bos_tokenizer, write_tasks
+from helpers.harness_tasks import bos_tokenizer, harness_requests, write_tasks
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")  # the HF backend's import
@@ -66,15 +66,9 @@ def pair(request, tmp_path_factory):
     return ours, ref, str(out)
 
 
-def _requests(kind: str, args: list[tuple]) -> list:
-    from lm_eval.api.instance import Instance
-
-    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
-
-
 def _ll_pairs(ref) -> list[tuple[str, str]]:
     long_context = " ".join(["alpha beta gamma delta"] * 30)  # beyond max_length: cut from the left
-    greedy = ref.generate_until(_requests("generate_until", [("the quick", {"until": ["\n\n"], "max_gen_toks": 3})]))[0]
+    greedy = ref.generate_until(harness_requests("generate_until", [("the quick", {"until": ["\n\n"], "max_gen_toks": 3})]))[0]
     return [("the quick", " fox"), ("", "alpha beta"), ("naïve café ", "42"), (long_context, " beta gamma"),
             ("x", " foo_bar the quick fox"), ("the quick", greedy), ("", greedy)]
 
@@ -82,14 +76,14 @@ def _ll_pairs(ref) -> list[tuple[str, str]]:
 def test_loglikelihoods_match_the_hf_backend(pair):
     ours, ref, _ = pair
     pairs = _ll_pairs(ref)
-    got = ours.loglikelihood(_requests("loglikelihood", pairs))
-    want = ref.loglikelihood(_requests("loglikelihood", pairs))
+    got = ours.loglikelihood(harness_requests("loglikelihood", pairs))
+    want = ref.loglikelihood(harness_requests("loglikelihood", pairs))
     np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], rtol=1e-4)
     assert [g[1] for g in got] == [w[1] for w in want]
     assert any(w[1] for w in want), "no greedy continuation among the requests: the flag is not checked"
     texts = [(" ".join(["gamma delta x"] * n),) for n in (1, 5, 40)]  # the last spans several windows
-    np.testing.assert_allclose(ours.loglikelihood_rolling(_requests("loglikelihood_rolling", texts)),
-                               ref.loglikelihood_rolling(_requests("loglikelihood_rolling", texts)), rtol=1e-4)
+    np.testing.assert_allclose(ours.loglikelihood_rolling(harness_requests("loglikelihood_rolling", texts)),
+                               ref.loglikelihood_rolling(harness_requests("loglikelihood_rolling", texts)), rtol=1e-4)
 
 
 def _resps(results: dict, task: str) -> list[float]:
@@ -134,11 +128,11 @@ def test_add_bos_token_prepends_bos_as_the_hf_backend_does(tmp_path):
 
     out = export_hf(_model("gpt2"), tmp_path / "hf", tokenizer_dir=tiny_tokenizer(str(tmp_path / "tok")))
     pairs = [("the quick", " fox"), ("alpha", " beta gamma")]
-    plain = load_harness_lm(out).loglikelihood(_requests("loglikelihood", pairs))
+    plain = load_harness_lm(out).loglikelihood(harness_requests("loglikelihood", pairs))
     forced = HarnessLM(*_model_and_tok(out), add_bos_token=True)
     ref = HFLM(pretrained=str(out), device="cpu", batch_size=2, dtype="float32", add_bos_token=True)
     assert forced.tok_encode("the quick")[0] == forced.prefix_token_id
-    got, want = forced.loglikelihood(_requests("loglikelihood", pairs)), ref.loglikelihood(_requests("loglikelihood", pairs))
+    got, want = forced.loglikelihood(harness_requests("loglikelihood", pairs)), ref.loglikelihood(harness_requests("loglikelihood", pairs))
     np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], rtol=1e-4)
     assert not np.allclose([g[0] for g in got], [p[0] for p in plain], rtol=1e-4)  # BOS changed the numbers
 

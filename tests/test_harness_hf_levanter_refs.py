@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers.harness_tasks import bos_tokenizer
+from helpers.harness_tasks import bos_tokenizer, harness_requests
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")  # the HF backend's import
@@ -71,12 +71,6 @@ def ref(export):
     from lm_eval.models.huggingface import HFLM
 
     return HFLM(pretrained=export[0], device="cpu", batch_size=4, dtype="float32", max_length=MAX_LENGTH)
-
-
-def _requests(kind: str, args: list[tuple]) -> list:
-    from lm_eval.api.instance import Instance
-
-    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
 
 
 def _log_softmax(hf, tokens: list[int]) -> np.ndarray:
@@ -144,12 +138,12 @@ def test_text_that_starts_with_bos_gets_no_second_bos(ours, ref):
         assert ours.tok_encode(text) == ref.tok_encode(text), text
     assert ours.tok_encode(f"{bos}the quick").count(ours.prefix_token_id) == 1
     pairs = [(f"{bos}the quick", " fox"), (f"{bos}alpha", " beta gamma")]
-    got = ours.loglikelihood(_requests("loglikelihood", pairs), disable_tqdm=True)
-    want = ref.loglikelihood(_requests("loglikelihood", pairs), disable_tqdm=True)
+    got = ours.loglikelihood(harness_requests("loglikelihood", pairs), disable_tqdm=True)
+    want = ref.loglikelihood(harness_requests("loglikelihood", pairs), disable_tqdm=True)
     np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], rtol=1e-4)
     texts = [(f"{bos}gamma delta x gamma",)]
-    np.testing.assert_allclose(ours.loglikelihood_rolling(_requests("loglikelihood_rolling", texts), disable_tqdm=True),
-                               ref.loglikelihood_rolling(_requests("loglikelihood_rolling", texts), disable_tqdm=True),
+    np.testing.assert_allclose(ours.loglikelihood_rolling(harness_requests("loglikelihood_rolling", texts), disable_tqdm=True),
+                               ref.loglikelihood_rolling(harness_requests("loglikelihood_rolling", texts), disable_tqdm=True),
                                rtol=1e-4)
 
 
@@ -163,8 +157,8 @@ def test_generate_until_gives_the_hf_backends_text(ours, ref):
         ("alpha beta", {"until": ["\n\n"], "max_gen_toks": 2}),
         ("alpha beta", {"until": ["\n\n"], "max_gen_toks": 7}),
     ]
-    got = ours.generate_until(_requests("generate_until", args), disable_tqdm=True)
-    want = ref.generate_until(_requests("generate_until", args), disable_tqdm=True)
+    got = ours.generate_until(harness_requests("generate_until", args), disable_tqdm=True)
+    want = ref.generate_until(harness_requests("generate_until", args), disable_tqdm=True)
     assert got == want
     assert len(ref.tok_encode(want[3], add_special_tokens=False)) > 2  # the longer answer really is longer
 

@@ -73,14 +73,10 @@ def test_steps_compiled_for_speed_compute_what_the_default_level_computes(mp):
     batches = _batches(2, seed=7) * 3  # two batches in turn: the loss on each falls
     runs = []
     for step, evaluate in ((fns.train_step, fns.eval_step), (default_step, default_eval)):
-        state = fns.init(jax.random.key_data(jax.random.key(1)))
-        losses, norms = [], []
-        for b in batches:
-            state, m = step(state, *step_args(fns, put_batch(b, plan)))
-            losses.append(float(m["train/loss"]))
-            norms.append(float(m["optim/grad_norm"]))
+        state, metrics = _train(step, fns, plan, batches, seed=1)
         ev = evaluate(state, *step_args(fns, put_batch(_batches(1, seed=8)[0], plan)))
-        runs.append((losses, norms, _leaves(state.model), [float(x) for x in jax.tree.leaves(ev)]))
+        runs.append(([m["train/loss"] for m in metrics], [m["optim/grad_norm"] for m in metrics],
+                     _leaves(state.model), [float(x) for x in jax.tree.leaves(ev)]))
     (l1, n1, p1, e1), (l2, n2, p2, e2) = runs
     # Not bit for bit: LLVM's levels may order a float sum differently (a few ulps).
     np.testing.assert_allclose(l1, l2, rtol=1e-5)
@@ -92,13 +88,19 @@ def test_steps_compiled_for_speed_compute_what_the_default_level_computes(mp):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
 
 
-def _run(step, fns, plan, batches):
-    state = fns.init(jax.random.key_data(jax.random.key(0)))
-    losses = []
+def _train(step, fns, plan, batches, seed: int = 0):
+    """(final state, each step's metrics as floats) of ``step`` from ``fns.init`` over ``batches``."""
+    state = fns.init(jax.random.key_data(jax.random.key(seed)))
+    metrics = []
     for b in batches:
         state, m = step(state, *step_args(fns, put_batch(b, plan)))
-        losses.append(float(m["train/loss"]))
-    return _leaves(state), losses
+        metrics.append({k: float(v) for k, v in m.items()})
+    return state, metrics
+
+
+def _run(step, fns, plan, batches):
+    state, metrics = _train(step, fns, plan, batches)
+    return _leaves(state), [m["train/loss"] for m in metrics]
 
 
 def test_train_step_compiled_ahead_runs_that_program_and_matches_the_jitted_step():

@@ -217,7 +217,8 @@ def build_step_functions(
     in_shardings = (lay.state_shardings, batch_sharding, batch_sharding if has_segments else None,
                     *((batch_sharding,) if has_loss_mask else ()))  # a chat source's loss mask
 
-    step_options = STEP_COMPILE_OPTIONS if compute.platform == "cpu" else None
+    on_cpu = compute.platform == "cpu"
+    step_options = STEP_COMPILE_OPTIONS if on_cpu else None
 
     def jit_train_step(step_ctx: _StepContext) -> StepFn:
         return jax.jit(partial(_train_step, step_ctx), in_shardings=in_shardings,
@@ -228,7 +229,7 @@ def build_step_functions(
               for size, (m, a) in splits.items() if size != first}
     return StepFunctions(
         init=jax.jit(lay.init_arrays, out_shardings=lay.state_shardings,
-                     compiler_options=INIT_COMPILE_OPTIONS if compute.platform == "cpu" else None),
+                     compiler_options=INIT_COMPILE_OPTIONS if on_cpu else None),
         train_step=jit_train_step(ctx),
         eval_step=jax.jit(partial(_eval_step, ctx), in_shardings=in_shardings, out_shardings=(replicated, replicated),
                           compiler_options=step_options),

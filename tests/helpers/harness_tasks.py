@@ -2,7 +2,7 @@
 over local JSON Lines data, shaped like HellaSwag (multiple choice over endings), ARC (question
 and lettered choices, few-shot from a train split), LAMBADA (the last word's log-likelihood),
 WikiText (rolling log-likelihood of whole pages) and a generate_until task (greedy answer up to
-a newline, exact match)."""
+a newline, exact match); and requests to an ``LM`` built the way the harness builds them."""
 
 from __future__ import annotations
 
@@ -137,3 +137,11 @@ def bos_tokenizer(out_dir: str, vocab_size: int = 300) -> str:
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": EOS, "bos_token": bos, "pad_token": EOS}, f)
     return out_dir
+
+
+def harness_requests(kind: str, args: list[tuple]) -> list:
+    """lm-evaluation-harness ``Instance`` requests of one ``kind`` (``loglikelihood``,
+    ``loglikelihood_rolling``, ``generate_until``) with the given argument tuples, in order."""
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
